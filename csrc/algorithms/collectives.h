@@ -1,0 +1,62 @@
+// Collective algorithms over any Transport (see comm.h). Buffers are raw
+// pointers; counts are in elements unless a name says bytes. Every rank of the
+// group calls the same function with matching arguments.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "algorithms/comm.h"
+#include "common/dtype.h"
+#include "common/reduce_op.h"
+
+namespace pycomm {
+
+enum class AllreduceAlgorithm { kAuto, kRing, kTree, kSharded };
+
+const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm);
+// Parses "auto" | "ring" | "tree" | "sharded"; throws a usage error otherwise.
+AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name);
+// The algorithm kAuto resolves to (alpha-beta cost model, select.cc).
+AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int worldSize);
+
+// All-reduce in place. Resolves kAuto, finishes AVG with a division.
+void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
+               AllreduceAlgorithm algorithm);
+// Pipelined ring: reduce-scatter then all-gather, segment by segment.
+void allreduceRing(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+// Pipelined binomial tree: reduce to rank 0, then broadcast.
+void allreduceTree(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+// Each rank owns one shard: reduce-scatter to owners then all-gather, by
+// recursive halving/doubling for power-of-two groups, direct exchange otherwise.
+void allreduceSharded(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+
+// Ring phases over chunks that may live in separate buffers: chunk i has
+// counts[i] elements at chunks[i]. Reduce-scatter leaves chunk r fully reduced
+// on rank r (other chunks are scratch); all-gather sends chunk r of rank r to all.
+void ringReduceScatter(Comm& comm, const std::vector<char*>& chunks,
+                       const std::vector<size_t>& counts, DataType dtype, ReduceOp op);
+void ringAllgather(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes);
+
+// Binomial-tree broadcast of `bytes` bytes from `root`, pipelined by segment.
+void broadcastTree(Comm& comm, void* buf, size_t bytes, int root);
+// Binomial-tree reduce to `root`. `acc` is modified on every rank; it holds the
+// result on the root.
+void reduceTree(Comm& comm, void* acc, size_t count, DataType dtype, ReduceOp op, int root);
+
+// Gather `bytes` from every rank into outputs[i] on the root (outputs ignored elsewhere).
+void gatherDirect(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs,
+                  int root);
+// Scatter inputs[i] (root only) to rank i's `output`.
+void scatterDirect(Comm& comm, const std::vector<const char*>& inputs, void* output, size_t bytes,
+                   int root);
+// Every rank sends sendBytes[i] bytes at sends[i] to rank i and receives
+// recvBytes[i] bytes from rank i into recvs[i].
+void alltoallPairwise(Comm& comm, const std::vector<const char*>& sends,
+                      const std::vector<size_t>& sendBytes, const std::vector<char*>& recvs,
+                      const std::vector<size_t>& recvBytes);
+// Dissemination barrier: ceil(log2 n) rounds of empty messages.
+void barrierDissemination(Comm& comm);
+
+}  // namespace pycomm

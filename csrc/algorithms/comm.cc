@@ -1,0 +1,52 @@
+#include "algorithms/comm.h"
+
+#include <cstdio>
+
+namespace pycomm {
+
+void Comm::begin(const std::string& op, const std::string& algorithm) {
+  ++sequence_;
+  tag_ = kCollectiveTagBit | sequence_;
+  op_ = op;
+  algorithm_ = algorithm;
+  start_ = Clock::now();
+  deadline_ = start_ + timeout_;
+}
+
+void Comm::begin(const std::string& op, std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  begin(op);
+}
+
+std::string Comm::prefix() const {
+  return algorithm_.empty() ? strCat("pycomm ", op_) : strCat("pycomm ", op_, " (", algorithm_, ")");
+}
+
+void Comm::wait(const RequestPtr& request) {
+  if (!request->waitUntil(deadline_)) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
+    const int peer = request->peer();
+    throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
+               seconds, " s waiting for ",
+               peer == kAnySource ? std::string("any rank") : transport_.rankName(peer),
+               " (did it call the same collective? is it alive?)");
+  }
+  if (request->failed()) throwError(ErrorKind::kConnection, prefix(), ": ", request->error());
+}
+
+void Comm::waitAll(std::vector<RequestPtr>& requests) {
+  for (auto& request : requests) wait(request);
+  requests.clear();
+}
+
+std::vector<size_t> balancedOffsets(size_t count, int parts) {
+  std::vector<size_t> offsets(static_cast<size_t>(parts) + 1, 0);
+  const size_t base = count / parts;
+  const size_t extra = count % parts;
+  for (int i = 0; i < parts; ++i)
+    offsets[i + 1] = offsets[i] + base + (static_cast<size_t>(i) < extra ? 1 : 0);
+  return offsets;
+}
+
+}  // namespace pycomm

@@ -1,0 +1,71 @@
+// The context one collective runs in: a transport, the group timeout, the
+// pipeline segment size, and the names used in errors. Algorithms post and wait
+// through it so every wait has a deadline and every failure names the op.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "transport/transport.h"
+
+namespace pycomm {
+
+// Tags: collectives set the top bit (plus a per-group sequence number); user
+// point-to-point tags never do.
+constexpr uint64_t kCollectiveTagBit = 1ull << 63;
+
+class Comm {
+ public:
+  Comm(Transport& transport, std::chrono::milliseconds timeout, size_t segmentBytes)
+      : transport_(transport), timeout_(timeout), segmentBytes_(segmentBytes) {}
+
+  int rank() const { return transport_.rank(); }
+  int size() const { return transport_.size(); }
+  size_t segmentBytes() const { return segmentBytes_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  Transport& transport() { return transport_; }
+
+  // Starts one collective: a fresh tag, a deadline of now + timeout, and the
+  // "pycomm <op> (<algorithm>)" prefix errors carry.
+  void begin(const std::string& op, const std::string& algorithm = "");
+  // As above with a per-op timeout (torch's per-call options).
+  void begin(const std::string& op, std::chrono::milliseconds timeout);
+  void setAlgorithm(const std::string& algorithm) { algorithm_ = algorithm; }
+  const std::string& opName() const { return op_; }
+  std::string prefix() const;
+
+  RequestPtr send(int peer, const void* data, size_t bytes) {
+    return transport_.isend(peer, tag_, data, bytes);
+  }
+  RequestPtr recv(int peer, void* data, size_t bytes) {
+    return transport_.irecv(peer, tag_, data, bytes);
+  }
+  // Waits before the deadline; throws a timeout (naming the peer) or the
+  // request's failure, prefixed with the op.
+  void wait(const RequestPtr& request);
+  void waitAll(std::vector<RequestPtr>& requests);
+
+ private:
+  Transport& transport_;
+  std::chrono::milliseconds timeout_;
+  const size_t segmentBytes_;
+  uint64_t sequence_ = 0;
+  uint64_t tag_ = kCollectiveTagBit;
+  Clock::time_point start_;
+  Clock::time_point deadline_;
+  std::string op_;
+  std::string algorithm_;
+};
+
+// Splits `count` elements into `parts` near-equal chunks; returns the n+1 offsets.
+std::vector<size_t> balancedOffsets(size_t count, int parts);
+
+// Number of pipeline segments for `count` elements of `elementBytes` each.
+inline size_t segmentCount(size_t count, size_t segmentElems) {
+  return (count + segmentElems - 1) / segmentElems;
+}
+
+}  // namespace pycomm

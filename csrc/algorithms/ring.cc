@@ -1,0 +1,114 @@
+// The ring engine behind ring all-reduce, reduce-scatter and all-gather.
+//
+// Ranks form a ring (send right, receive left). Step s of the reduce-scatter
+// phase sends chunk r-s-1 and receives chunk r-s-2, reducing it; after n-1
+// steps rank r holds chunk r reduced. The all-gather phase then forwards whole
+// chunks for n-1 steps. Each chunk moves in segments, and the chunk a step sends
+// is the one the previous step just finished, so a segment is forwarded as soon
+// as it is reduced: reduction, sending and receiving overlap.
+#include <algorithm>
+#include <vector>
+
+#include "algorithms/collectives.h"
+#include "kernels/cpu/reduce.h"
+
+namespace pycomm {
+namespace {
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+struct RingPlan {
+  bool reducePhase;
+  bool gatherPhase;
+  int reduceSteps;
+  int totalSteps;
+};
+
+void ringRun(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
+             size_t elementBytes, DataType dtype, ReduceOp op, const RingPlan& plan) {
+  const int n = comm.size();
+  const int r = comm.rank();
+  if (n == 1 || plan.totalSteps == 0) return;
+  const int right = mod(r + 1, n);
+  const int left = mod(r - 1, n);
+  const size_t segElems = std::max<size_t>(1, comm.segmentBytes() / elementBytes);
+  const size_t segBytes = segElems * elementBytes;
+
+  auto isReduce = [&](int s) { return s < plan.reduceSteps; };
+  auto sendChunk = [&](int s) {
+    return isReduce(s) ? mod(r - s - 1, n) : mod(r - (s - plan.reduceSteps), n);
+  };
+  auto recvChunk = [&](int s) {
+    return isReduce(s) ? mod(r - s - 2, n) : mod(r - (s - plan.reduceSteps) - 1, n);
+  };
+  auto segLength = [&](int chunk, size_t j) {  // elements in segment j of chunk
+    return std::min(segElems, counts[chunk] - j * segElems);
+  };
+
+  std::vector<char> scratch[2];
+  if (plan.reduceSteps > 0) {
+    const size_t maxChunk = *std::max_element(counts.begin(), counts.end());
+    scratch[0].resize(maxChunk * elementBytes);
+    scratch[1].resize(maxChunk * elementBytes);
+  }
+  std::vector<RequestPtr> recvs[2];
+  std::vector<RequestPtr> sends;
+
+  auto postRecvs = [&](int s) {
+    const int chunk = recvChunk(s);
+    auto& slot = recvs[s & 1];
+    slot.clear();
+    for (size_t j = 0; j < segmentCount(counts[chunk], segElems); ++j) {
+      char* dst = isReduce(s) ? scratch[s & 1].data() + j * segBytes : chunks[chunk] + j * segBytes;
+      slot.push_back(comm.recv(left, dst, segLength(chunk, j) * elementBytes));
+    }
+  };
+
+  postRecvs(0);
+  const int first = sendChunk(0);
+  for (size_t j = 0; j < segmentCount(counts[first], segElems); ++j)
+    sends.push_back(comm.send(right, chunks[first] + j * segBytes, segLength(first, j) * elementBytes));
+
+  for (int s = 0; s < plan.totalSteps; ++s) {
+    if (s + 1 < plan.totalSteps) postRecvs(s + 1);
+    const int chunk = recvChunk(s);
+    auto& slot = recvs[s & 1];
+    for (size_t j = 0; j < slot.size(); ++j) {
+      comm.wait(slot[j]);
+      const size_t length = segLength(chunk, j);
+      char* segment = chunks[chunk] + j * segBytes;
+      if (isReduce(s)) reduceInto(segment, scratch[s & 1].data() + j * segBytes, length, dtype, op);
+      // The chunk step s+1 sends is the one step s just finished.
+      if (s + 1 < plan.totalSteps) sends.push_back(comm.send(right, segment, length * elementBytes));
+    }
+  }
+  comm.waitAll(sends);
+}
+
+}  // namespace
+
+void allreduceRing(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) {
+  const int n = comm.size();
+  const size_t elementBytes = elementSize(dtype);
+  const std::vector<size_t> offsets = balancedOffsets(count, n);
+  std::vector<char*> chunks(n);
+  std::vector<size_t> counts(n);
+  for (int i = 0; i < n; ++i) {
+    chunks[i] = static_cast<char*>(buf) + offsets[i] * elementBytes;
+    counts[i] = offsets[i + 1] - offsets[i];
+  }
+  ringRun(comm, chunks, counts, elementBytes, dtype, op, {true, true, n - 1, 2 * (n - 1)});
+}
+
+void ringReduceScatter(Comm& comm, const std::vector<char*>& chunks,
+                       const std::vector<size_t>& counts, DataType dtype, ReduceOp op) {
+  const int n = comm.size();
+  ringRun(comm, chunks, counts, elementSize(dtype), dtype, op, {true, false, n - 1, n - 1});
+}
+
+void ringAllgather(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes) {
+  const int n = comm.size();
+  ringRun(comm, chunks, bytes, 1, DataType::kUInt8, ReduceOp::kSum, {false, true, 0, n - 1});
+}
+
+}  // namespace pycomm

@@ -1,0 +1,60 @@
+// Algorithm names and automatic selection.
+//
+// Selection uses an alpha-beta cost model: a message costs alpha (latency, the
+// per-message overhead) plus bytes * beta. For n ranks and S bytes:
+//   ring:    2(n-1) alpha + 2(n-1)/n S beta
+//   sharded: 2 log2(n) alpha + 2(n-1)/n S beta    (power-of-two n; halving/doubling)
+//            2 alpha + (n-1) gamma + 2(n-1)/n S beta   (other n; n-1 messages in flight)
+//   tree:    2 log2(n) alpha + 2 log2(n) S beta    (the root link carries every child)
+// The constants are per-message and per-byte costs of the TCP transport on one
+// host; PYCOMM_ALGO or pycomm.set_algorithm() override the choice.
+#include <cmath>
+
+#include "algorithms/collectives.h"
+#include "common/logging.h"
+
+namespace pycomm {
+
+namespace {
+constexpr double kAlpha = 30e-6;        // seconds per message hop
+constexpr double kGamma = 8e-6;         // extra seconds per concurrent message
+constexpr double kBeta = 1.0 / 2.0e9;   // seconds per byte
+}  // namespace
+
+const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm) {
+  switch (algorithm) {
+    case AllreduceAlgorithm::kAuto: return "auto";
+    case AllreduceAlgorithm::kRing: return "ring";
+    case AllreduceAlgorithm::kTree: return "tree";
+    case AllreduceAlgorithm::kSharded: return "sharded";
+  }
+  return "unknown";
+}
+
+AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name) {
+  if (name == "auto" || name.empty()) return AllreduceAlgorithm::kAuto;
+  if (name == "ring") return AllreduceAlgorithm::kRing;
+  if (name == "tree") return AllreduceAlgorithm::kTree;
+  if (name == "sharded") return AllreduceAlgorithm::kSharded;
+  throwError(ErrorKind::kUsage, "pycomm: unknown all-reduce algorithm '", name,
+             "' (expected auto, ring, tree or sharded)");
+}
+
+AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int n) {
+  if (n <= 2) return bytes <= 4096 ? AllreduceAlgorithm::kTree : AllreduceAlgorithm::kRing;
+  const double s = static_cast<double>(bytes);
+  const double steps = std::ceil(std::log2(static_cast<double>(n)));
+  const double share = 2.0 * (n - 1) / n * s * kBeta;
+  const double ring = 2.0 * (n - 1) * kAlpha + share;
+  const bool powerOfTwo = (n & (n - 1)) == 0;
+  const double sharded = powerOfTwo ? 2.0 * steps * kAlpha + share
+                                    : 2.0 * kAlpha + (n - 1) * kGamma + share;
+  const double tree = 2.0 * steps * kAlpha + 2.0 * steps * s * kBeta;
+  AllreduceAlgorithm best = AllreduceAlgorithm::kRing;
+  double cost = ring;
+  if (sharded < cost) best = AllreduceAlgorithm::kSharded, cost = sharded;
+  if (tree < cost) best = AllreduceAlgorithm::kTree, cost = tree;
+  return best;
+}
+
+}  // namespace pycomm

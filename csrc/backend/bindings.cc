@@ -1,0 +1,170 @@
+// pybind11 module pycomm._C: the backend class torch.distributed instantiates,
+// and a loopback harness that runs the algorithms with threads as ranks.
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <thread>
+
+#include "algorithms/collectives.h"
+#include "backend/process_group.h"
+#include "kernels/cpu/reduce.h"
+#include "transport/loopback.h"
+
+namespace py = pybind11;
+
+namespace pycomm {
+namespace {
+
+DataType dataTypeOf(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kByte: return DataType::kUInt8;
+    case at::kBool: return DataType::kBool;
+    default: throw std::invalid_argument("unsupported dtype");
+  }
+}
+
+ReduceOp reduceOpOf(const std::string& name) {
+  static const std::pair<const char*, ReduceOp> ops[] = {
+      {"sum", ReduceOp::kSum}, {"avg", ReduceOp::kAvg}, {"product", ReduceOp::kProduct},
+      {"min", ReduceOp::kMin}, {"max", ReduceOp::kMax}, {"band", ReduceOp::kBand},
+      {"bor", ReduceOp::kBor}, {"bxor", ReduceOp::kBxor}};
+  for (const auto& [key, op] : ops)
+    if (name == key) return op;
+  throw std::invalid_argument("unknown reduce op " + name);
+}
+
+// Runs one collective on len(tensors) threads over a loopback fabric; tensor i
+// belongs to rank i and is updated in place (outputs for gather-like ops are
+// returned). Used by tests/test_algorithms.py.
+std::vector<at::Tensor> loopbackCollective(const std::string& collective,
+                                           std::vector<at::Tensor> tensors, const std::string& op,
+                                           const std::string& algorithm, int root,
+                                           size_t segmentBytes, double timeoutSeconds) {
+  const int n = static_cast<int>(tensors.size());
+  auto fabric = std::make_shared<LoopbackFabric>(n);
+  const ReduceOp reduceOp = reduceOpOf(op);
+  const AllreduceAlgorithm algo = parseAllreduceAlgorithm(algorithm);
+  std::vector<at::Tensor> outputs(n);
+  for (int r = 0; r < n; ++r) {
+    const at::Tensor& t = tensors[r];
+    if (collective == "allgather") outputs[r] = at::empty({n * t.numel()}, t.options());
+    else if (collective == "reduce_scatter") outputs[r] = at::empty({t.numel() / n}, t.options());
+    else if (collective == "alltoall") outputs[r] = at::empty_like(t);
+    else outputs[r] = t;
+  }
+  std::vector<std::string> errors(n);
+  {
+    py::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          LoopbackTransport transport(fabric, r);
+          Comm comm(transport, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
+                    segmentBytes);
+          comm.begin(collective);
+          const at::Tensor& t = tensors[r];
+          const DataType dtype = dataTypeOf(t);
+          char* data = static_cast<char*>(t.data_ptr());
+          const size_t count = static_cast<size_t>(t.numel());
+          const size_t bytes = t.nbytes();
+          if (collective == "allreduce") {
+            allreduce(comm, data, count, dtype, reduceOp, algo);
+          } else if (collective == "broadcast") {
+            broadcastTree(comm, data, bytes, root);
+          } else if (collective == "reduce") {
+            reduceTree(comm, data, count, dtype, reduceOp, root);
+          } else if (collective == "allgather") {
+            std::vector<char*> chunks;
+            for (int i = 0; i < n; ++i) chunks.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * bytes);
+            std::memcpy(chunks[r], data, bytes);
+            ringAllgather(comm, chunks, std::vector<size_t>(n, bytes));
+          } else if (collective == "reduce_scatter") {
+            const size_t part = count / n;
+            std::vector<char*> chunks;
+            for (int i = 0; i < n; ++i) chunks.push_back(data + i * part * elementSize(dtype));
+            ringReduceScatter(comm, chunks, std::vector<size_t>(n, part), dtype, reduceOp);
+            std::memcpy(outputs[r].data_ptr(), chunks[r], part * elementSize(dtype));
+          } else if (collective == "alltoall") {
+            const size_t part = bytes / n;
+            std::vector<const char*> sends;
+            std::vector<char*> recvs;
+            for (int i = 0; i < n; ++i) {
+              sends.push_back(data + i * part);
+              recvs.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * part);
+            }
+            alltoallPairwise(comm, sends, std::vector<size_t>(n, part), recvs,
+                             std::vector<size_t>(n, part));
+          } else if (collective == "barrier") {
+            barrierDissemination(comm);
+          } else {
+            throw std::invalid_argument("unknown collective " + collective);
+          }
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+          // Unblock the other ranks: a failed rank must not leave them waiting.
+          LoopbackTransport(fabric, r).abort(strCat("rank ", r, " failed: ", e.what()));
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
+  }
+  for (int r = 0; r < n; ++r)
+    if (!errors[r].empty()) throw std::runtime_error("rank " + std::to_string(r) + ": " + errors[r]);
+  return outputs;
+}
+
+}  // namespace
+}  // namespace pycomm
+
+PYBIND11_MODULE(_C, m) {
+  using pycomm::ProcessGroupPycomm;
+  m.doc() = "pycomm C++ core: the torch.distributed backend and test harnesses";
+  py::module_::import("torch.distributed");
+  py::object backendBase = py::module_::import("torch._C._distributed_c10d").attr("Backend");
+
+  py::class_<ProcessGroupPycomm, c10::intrusive_ptr<ProcessGroupPycomm>>(m, "ProcessGroupPycomm",
+                                                                        backendBase)
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       double timeoutSeconds, const std::string& bindAddress, size_t segmentBytes,
+                       const std::string& algorithm, std::vector<int> globalRanks) {
+             pycomm::GroupConfig config;
+             config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
+             config.bindAddress = bindAddress;
+             config.segmentBytes = segmentBytes;
+             config.algorithm = algorithm;
+             config.globalRanks = std::move(globalRanks);
+             return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
+           py::arg("bind_address"), py::arg("segment_bytes"), py::arg("algorithm"),
+           py::arg("global_ranks"), py::call_guard<py::gil_scoped_release>())
+      .def("set_algorithm", &ProcessGroupPycomm::setAlgorithm, py::arg("name"))
+      .def("get_algorithm", &ProcessGroupPycomm::algorithm)
+      .def("select_algorithm", &ProcessGroupPycomm::selectAlgorithm, py::arg("nbytes"))
+      .def("last_algorithm", &ProcessGroupPycomm::lastAlgorithm)
+      .def("failure", &ProcessGroupPycomm::failure)
+      .def("bytes_sent", &ProcessGroupPycomm::bytesSent)
+      .def("bytes_received", &ProcessGroupPycomm::bytesReceived);
+
+  m.def("_loopback_collective", &pycomm::loopbackCollective, py::arg("collective"),
+        py::arg("tensors"), py::arg("op") = "sum", py::arg("algorithm") = "auto",
+        py::arg("root") = 0, py::arg("segment_bytes") = 256 * 1024,
+        py::arg("timeout_seconds") = 60.0);
+  m.def("_select_algorithm",
+        [](size_t bytes, int worldSize) {
+          return std::string(pycomm::allreduceAlgorithmName(
+              pycomm::selectAllreduceAlgorithm(bytes, worldSize)));
+        },
+        py::arg("nbytes"), py::arg("world_size"));
+}

@@ -1,0 +1,686 @@
+#include "backend/process_group.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "backend/store_adapter.h"
+#include "common/logging.h"
+#include "kernels/cpu/reduce.h"
+#include "transport/tcp.h"
+
+namespace pycomm {
+namespace {
+
+using c10d::OpType;
+using Tensors = std::vector<at::Tensor>;
+
+[[noreturn]] void usage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
+
+std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
+
+DataType toDataType(const char* op, at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kByte: return DataType::kUInt8;
+    case at::kBool: return DataType::kBool;
+    default:
+      C10_THROW_ERROR(TypeError, where(op) + "unsupported dtype " + c10::toString(type) +
+                                     " (supported: float32, float64, float16, bfloat16, int8, "
+                                     "int16, int32, int64, uint8, bool)");
+  }
+}
+
+DataType checkTensor(const char* op, const at::Tensor& t) {
+  if (!t.defined()) usage(where(op) + "got an undefined tensor");
+  if (t.layout() != at::kStrided)
+    usage(where(op) + "sparse tensors are not supported (call .to_dense() first)");
+  if (!t.device().is_cpu())
+    usage(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
+          " (pycomm is registered for cpu)");
+  if (!t.is_contiguous()) usage(where(op) + "tensors must be contiguous (call .contiguous() first)");
+  return toDataType(op, t.scalar_type());
+}
+
+const at::Tensor& single(const char* op, const Tensors& tensors) {
+  if (tensors.size() != 1)
+    usage(where(op) + "expected exactly one tensor, got " + std::to_string(tensors.size()));
+  checkTensor(op, tensors[0]);
+  return tensors[0];
+}
+
+void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
+               const std::string& what) {
+  checkTensor(op, t);
+  if (t.scalar_type() != like.scalar_type())
+    usage(where(op) + what + " has dtype " + c10::toString(t.scalar_type()) + ", expected " +
+          c10::toString(like.scalar_type()));
+  if (t.numel() != numel)
+    usage(where(op) + what + " has " + std::to_string(t.numel()) + " elements, expected " +
+          std::to_string(numel));
+}
+
+ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dtype) {
+  ReduceOp result;
+  switch (reduceOp.op_) {
+    case c10d::ReduceOp::SUM: result = ReduceOp::kSum; break;
+    case c10d::ReduceOp::AVG: result = ReduceOp::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: result = ReduceOp::kProduct; break;
+    case c10d::ReduceOp::MIN: result = ReduceOp::kMin; break;
+    case c10d::ReduceOp::MAX: result = ReduceOp::kMax; break;
+    case c10d::ReduceOp::BAND: result = ReduceOp::kBand; break;
+    case c10d::ReduceOp::BOR: result = ReduceOp::kBor; break;
+    case c10d::ReduceOp::BXOR: result = ReduceOp::kBxor; break;
+    default: usage(where(op) + "unsupported reduce op (PREMUL_SUM is NCCL-only)");
+  }
+  try {
+    checkReduceSupported(op, result, dtype);
+  } catch (const Error& e) {
+    usage(e.what());
+  }
+  return result;
+}
+
+void checkRank(const char* op, int rank, int size, const char* what) {
+  if (rank < 0 || rank >= size)
+    usage(where(op) + what + " " + std::to_string(rank) + " is outside the group (size " +
+          std::to_string(size) + ")");
+}
+
+char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+}  // namespace
+
+ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                       int size, GroupConfig config)
+    : c10d::Backend(rank, size), config_(std::move(config)) {
+  parseAllreduceAlgorithm(config_.algorithm);  // reject a bad PYCOMM_ALGO before connecting
+  StoreAdapter adapter(store);
+  TcpOptions options;
+  options.bindAddress = config_.bindAddress;
+  options.connectTimeout = config_.timeout;
+  options.storePrefix = "pycomm/";
+  std::shared_ptr<Transport> transport;
+  try {
+    transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
+  } catch (const Error& e) {
+    C10_THROW_ERROR(DistNetworkError, e.what());
+  }
+  group_ = std::make_shared<GroupState>(std::move(transport));
+  start();
+}
+
+ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Transport> transport, GroupConfig config)
+    : c10d::Backend(transport->rank(), transport->size()), config_(std::move(config)) {
+  transport->setGlobalRanks(config_.globalRanks);
+  group_ = std::make_shared<GroupState>(std::move(transport));
+  start();
+}
+
+void ProcessGroupPycomm::start() {
+  algorithm_ = static_cast<int>(parseAllreduceAlgorithm(config_.algorithm));
+  comm_ = std::make_unique<Comm>(group_->transport(), config_.timeout, config_.segmentBytes);
+  worker_ = std::thread([this] { workerLoop(); });
+}
+
+ProcessGroupPycomm::~ProcessGroupPycomm() { shutdown(); }
+
+void ProcessGroupPycomm::stopWorker() {
+  {
+    std::lock_guard<std::mutex> lock(queueMutex_);
+    stopping_ = true;
+  }
+  queueCv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void ProcessGroupPycomm::shutdown() {
+  stopWorker();  // runs what is queued, then stops
+  group_->transportPtr()->abort("pycomm: the process group was shut down");
+}
+
+void ProcessGroupPycomm::abort() {
+  group_->fail("pycomm: the process group was aborted");
+  stopWorker();
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupPycomm::getBackendOptions() {
+  return c10::make_intrusive<Options>("pycomm", config_.timeout);
+}
+
+void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) { config_.timeout = timeout; }
+
+std::chrono::milliseconds ProcessGroupPycomm::effectiveTimeout(
+    std::chrono::milliseconds requested) const {
+  return requested == c10d::kUnsetTimeout ? config_.timeout : requested;
+}
+
+void ProcessGroupPycomm::workerLoop() {
+  at::NoGradGuard noGrad;  // scratch copies made here never join an autograd graph
+  while (true) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(queueMutex_);
+      queueCv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    const std::string earlier = group_->failure();
+    if (!earlier.empty()) {
+      error = makeBackendError("pycomm " + task.op +
+                               ": the process group is unusable after an earlier failure (" +
+                               earlier + "); destroy it and create a new one");
+    } else {
+      try {
+        comm_->begin(task.op, task.timeout);
+        task.body(*comm_);
+      } catch (const std::exception& e) {
+        const std::string message = e.what();
+        group_->fail(message);
+        debugLog("failure: " + message);
+        error = makeBackendError(message);
+      }
+    }
+    task.work->markDone(error);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpType type,
+                                                           Tensors outputs, Body body,
+                                                           std::chrono::milliseconds timeout) {
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, op, std::move(outputs));
+  {
+    std::lock_guard<std::mutex> lock(queueMutex_);
+    if (stopping_) usage(where(op) + "the process group was shut down");
+    queue_.push_back(Task{op, std::move(body), work, effectiveTimeout(timeout)});
+  }
+  queueCv_.notify_one();
+  return work;
+}
+
+void ProcessGroupPycomm::setAlgorithm(const std::string& name) {
+  try {
+    algorithm_ = static_cast<int>(parseAllreduceAlgorithm(name));
+  } catch (const Error& e) {
+    usage(e.what());
+  }
+}
+
+std::string ProcessGroupPycomm::algorithm() const {
+  return allreduceAlgorithmName(static_cast<AllreduceAlgorithm>(algorithm_.load()));
+}
+
+std::string ProcessGroupPycomm::selectAlgorithm(size_t bytes) const {
+  auto chosen = static_cast<AllreduceAlgorithm>(algorithm_.load());
+  if (chosen == AllreduceAlgorithm::kAuto) chosen = selectAllreduceAlgorithm(bytes, getSize());
+  return allreduceAlgorithmName(chosen);
+}
+
+std::string ProcessGroupPycomm::lastAlgorithm() const {
+  const int last = lastAlgorithm_.load();
+  return last < 0 ? "" : allreduceAlgorithmName(static_cast<AllreduceAlgorithm>(last));
+}
+
+// ---------------------------------------------------------------- collectives
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(Tensors& tensors,
+                                                             const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single("broadcast", tensors);
+  checkRank("broadcast", static_cast<int>(opts.rootRank), getSize(), "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue("broadcast", OpType::BROADCAST, tensors,
+                 [t, root](Comm& c) {
+                   c.setAlgorithm("tree");
+                   broadcastTree(c, t.data_ptr(), t.nbytes(), root);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
+                                                             const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = single("allreduce", tensors);
+  const DataType dtype = toDataType("allreduce", t.scalar_type());
+  const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);
+  return enqueue("allreduce", OpType::ALLREDUCE, tensors,
+                 [this, t, dtype, op](Comm& c) {
+                   const size_t bytes = t.nbytes();
+                   auto algorithm = static_cast<AllreduceAlgorithm>(algorithm_.load());
+                   if (algorithm == AllreduceAlgorithm::kAuto)
+                     algorithm = selectAllreduceAlgorithm(bytes, c.size());
+                   lastAlgorithm_ = static_cast<int>(algorithm);
+                   if (debugEnabled())
+                     debugLog(strCat("allreduce ", bytes, " B on ", c.size(), " ranks: ",
+                                     allreduceAlgorithmName(algorithm)));
+                   pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()), dtype, op,
+                                     algorithm);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
+    Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  if (tensors.empty()) usage(where("allreduce_coalesced") + "got no tensors");
+  const DataType dtype = checkTensor("allreduce_coalesced", tensors[0]);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    checkLike("allreduce_coalesced", tensors[i], tensors[0], tensors[i].numel(),
+              "tensor " + std::to_string(i));
+  const ReduceOp op = toReduceOp("allreduce_coalesced", opts.reduceOp, dtype);
+  return enqueue("allreduce_coalesced", OpType::ALLREDUCE_COALESCED, tensors,
+                 [this, tensors, dtype, op](Comm& c) {
+                   Tensors flat;
+                   for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+                   at::Tensor buffer = at::cat(flat);
+                   auto algorithm = static_cast<AllreduceAlgorithm>(algorithm_.load());
+                   pycomm::allreduce(c, buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
+                                     dtype, op, algorithm);
+                   int64_t offset = 0;
+                   for (const auto& t : tensors) {
+                     t.view({-1}).copy_(buffer.narrow(0, offset, t.numel()));
+                     offset += t.numel();
+                   }
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
+                                                          const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = single("reduce", tensors);
+  const DataType dtype = toDataType("reduce", t.scalar_type());
+  const ReduceOp op = toReduceOp("reduce", opts.reduceOp, dtype);
+  checkRank("reduce", static_cast<int>(opts.rootRank), getSize(), "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  return enqueue("reduce", OpType::REDUCE, tensors,
+                 [t, dtype, op, root](Comm& c) {
+                   c.setAlgorithm("tree");
+                   // Only the root's tensor changes; other ranks reduce in a copy.
+                   at::Tensor acc = c.rank() == root ? t : t.clone();
+                   const ReduceOp as = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+                   reduceTree(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, as, root);
+                   if (op == ReduceOp::kAvg && c.rank() == root)
+                     divideBy(acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, c.size());
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
+    std::vector<Tensors>& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  const at::Tensor& input = single("allgather", inputs);
+  if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
+    usage(where("allgather") + "expected one output list of " + std::to_string(getSize()) +
+          " tensors");
+  for (size_t i = 0; i < outputs[0].size(); ++i)
+    checkLike("allgather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
+  Tensors outs = outputs[0];
+  return enqueue("allgather", OpType::ALLGATHER, outs,
+                 [input, outs](Comm& c) {
+                   c.setAlgorithm("ring");
+                   std::vector<char*> chunks;
+                   for (const auto& o : outs) chunks.push_back(ptr(o));
+                   if (input.nbytes() > 0 && chunks[c.rank()] != ptr(input))
+                     std::memcpy(chunks[c.rank()], ptr(input), input.nbytes());
+                   ringAllgather(c, chunks, std::vector<size_t>(outs.size(), input.nbytes()));
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  checkTensor("allgather_into_tensor", input);
+  checkLike("allgather_into_tensor", output, input, input.numel() * getSize(), "output tensor");
+  at::Tensor in = input, out = output;
+  return enqueue("allgather_into_tensor", OpType::_ALLGATHER_BASE, {output},
+                 [in, out](Comm& c) {
+                   c.setAlgorithm("ring");
+                   const size_t bytes = in.nbytes();
+                   std::vector<char*> chunks;
+                   for (int i = 0; i < c.size(); ++i) chunks.push_back(ptr(out) + i * bytes);
+                   if (bytes > 0 && chunks[c.rank()] != ptr(in))
+                     std::memmove(chunks[c.rank()], ptr(in), bytes);
+                   ringAllgather(c, chunks, std::vector<size_t>(c.size(), bytes));
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
+    std::vector<Tensors>& outputLists, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  const char* op = "allgather_coalesced";
+  if (static_cast<int>(outputLists.size()) != getSize())
+    usage(where(op) + "expected " + std::to_string(getSize()) + " output lists (one per rank)");
+  for (size_t i = 0; i < inputs.size(); ++i) checkTensor(op, inputs[i]);
+  for (size_t r = 0; r < outputLists.size(); ++r) {
+    if (outputLists[r].size() != inputs.size())
+      usage(where(op) + "output list " + std::to_string(r) + " has " +
+            std::to_string(outputLists[r].size()) + " tensors, expected " +
+            std::to_string(inputs.size()));
+    for (size_t i = 0; i < inputs.size(); ++i)
+      checkLike(op, outputLists[r][i], inputs[i], inputs[i].numel(),
+                "output " + std::to_string(r) + "/" + std::to_string(i));
+  }
+  Tensors flatOutputs;
+  for (const auto& list : outputLists) flatOutputs.insert(flatOutputs.end(), list.begin(), list.end());
+  std::vector<Tensors> lists = outputLists;
+  Tensors ins = inputs;
+  return enqueue(op, OpType::ALLGATHER_COALESCED, flatOutputs,
+                 [lists, ins](Comm& c) {
+                   c.setAlgorithm("ring");
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     std::vector<char*> chunks;
+                     for (const auto& list : lists) chunks.push_back(ptr(list[i]));
+                     const size_t bytes = ins[i].nbytes();
+                     if (bytes > 0) std::memcpy(chunks[c.rank()], ptr(ins[i]), bytes);
+                     ringAllgather(c, chunks, std::vector<size_t>(lists.size(), bytes));
+                   }
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesced(
+    Tensors& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  const char* op = "allgather_into_tensor_coalesced";
+  if (outputs.size() != inputs.size())
+    usage(where(op) + "expected as many outputs as inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkTensor(op, inputs[i]);
+    checkLike(op, outputs[i], inputs[i], inputs[i].numel() * getSize(), "output " + std::to_string(i));
+  }
+  Tensors ins = inputs, outs = outputs;
+  return enqueue(op, OpType::COALESCED, outs,
+                 [ins, outs](Comm& c) {
+                   c.setAlgorithm("ring");
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     const size_t bytes = ins[i].nbytes();
+                     std::vector<char*> chunks;
+                     for (int r = 0; r < c.size(); ++r) chunks.push_back(ptr(outs[i]) + r * bytes);
+                     if (bytes > 0) std::memmove(chunks[c.rank()], ptr(ins[i]), bytes);
+                     ringAllgather(c, chunks, std::vector<size_t>(c.size(), bytes));
+                   }
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& outputs,
+                                                          Tensors& inputs,
+                                                          const c10d::GatherOptions& opts) {
+  const at::Tensor& input = single("gather", inputs);
+  checkRank("gather", static_cast<int>(opts.rootRank), getSize(), "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  Tensors outs;
+  if (getRank() == root) {
+    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
+      usage(where("gather") + "the root needs one output list of " + std::to_string(getSize()) +
+            " tensors");
+    for (size_t i = 0; i < outputs[0].size(); ++i)
+      checkLike("gather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
+    outs = outputs[0];
+  } else if (!outputs.empty() && !outputs[0].empty()) {
+    usage(where("gather") + "only the root rank may pass output tensors");
+  }
+  return enqueue("gather", OpType::GATHER, outs,
+                 [input, outs, root](Comm& c) {
+                   std::vector<char*> chunks;
+                   for (const auto& o : outs) chunks.push_back(ptr(o));
+                   gatherDirect(c, input.data_ptr(), input.nbytes(), chunks, root);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
+                                                           std::vector<Tensors>& inputs,
+                                                           const c10d::ScatterOptions& opts) {
+  const at::Tensor& output = single("scatter", outputs);
+  checkRank("scatter", static_cast<int>(opts.rootRank), getSize(), "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  Tensors ins;
+  if (getRank() == root) {
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
+      usage(where("scatter") + "the root needs one input list of " + std::to_string(getSize()) +
+            " tensors");
+    for (size_t i = 0; i < inputs[0].size(); ++i)
+      checkLike("scatter", inputs[0][i], output, output.numel(), "input tensor " + std::to_string(i));
+    ins = inputs[0];
+  } else if (!inputs.empty() && !inputs[0].empty()) {
+    usage(where("scatter") + "only the root rank may pass input tensors");
+  }
+  return enqueue("scatter", OpType::SCATTER, outputs,
+                 [output, ins, root](Comm& c) {
+                   std::vector<const char*> chunks;
+                   for (const auto& i : ins) chunks.push_back(ptr(i));
+                   scatterDirect(c, chunks, output.data_ptr(), output.nbytes(), root);
+                 },
+                 opts.timeout);
+}
+
+namespace {
+
+// Reduce-scatter over a scratch copy of the inputs; rank r's chunk lands in `output`.
+void reduceScatterInto(Comm& c, const Tensors& inputs, const at::Tensor& output, DataType dtype,
+                       ReduceOp op) {
+  Tensors flat;
+  for (const auto& t : inputs) flat.push_back(t.reshape({-1}));
+  at::Tensor scratch = at::cat(flat);  // always a fresh copy
+  const size_t elementBytes = elementSize(dtype);
+  std::vector<char*> chunks;
+  std::vector<size_t> counts;
+  size_t offset = 0;
+  for (const auto& t : inputs) {
+    chunks.push_back(ptr(scratch) + offset * elementBytes);
+    counts.push_back(static_cast<size_t>(t.numel()));
+    offset += static_cast<size_t>(t.numel());
+  }
+  const ReduceOp as = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  ringReduceScatter(c, chunks, counts, dtype, as);
+  const size_t mine = counts[c.rank()];
+  if (mine > 0) std::memcpy(ptr(output), chunks[c.rank()], mine * elementBytes);
+  if (op == ReduceOp::kAvg) divideBy(ptr(output), mine, dtype, c.size());
+}
+
+// `parts` consecutive views of `numel` elements each over a contiguous tensor.
+Tensors equalParts(const at::Tensor& t, int parts, int64_t numel) {
+  at::Tensor flat = t.reshape({-1});
+  Tensors result;
+  for (int i = 0; i < parts; ++i) result.push_back(flat.narrow(0, i * numel, numel));
+  return result;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
+    Tensors& outputs, std::vector<Tensors>& inputs, const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& output = single("reduce_scatter", outputs);
+  const DataType dtype = toDataType("reduce_scatter", output.scalar_type());
+  const ReduceOp op = toReduceOp("reduce_scatter", opts.reduceOp, dtype);
+  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
+    usage(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
+          " tensors");
+  for (size_t i = 0; i < inputs[0].size(); ++i)
+    checkLike("reduce_scatter", inputs[0][i], output,
+              static_cast<int>(i) == getRank() ? output.numel() : inputs[0][i].numel(),
+              "input tensor " + std::to_string(i));
+  Tensors ins = inputs[0];
+  return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
+                 [ins, output, dtype, op](Comm& c) {
+                   c.setAlgorithm("ring");
+                   reduceScatterInto(c, ins, output, dtype, op);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor";
+  const DataType dtype = checkTensor(name, output);
+  const ReduceOp op = toReduceOp(name, opts.reduceOp, dtype);
+  checkLike(name, input, output, output.numel() * getSize(), "input tensor");
+  at::Tensor in = input, out = output;
+  return enqueue(name, OpType::_REDUCE_SCATTER_BASE, {output},
+                 [in, out, dtype, op](Comm& c) {
+                   c.setAlgorithm("ring");
+                   reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesced(
+    Tensors& outputs, Tensors& inputs, const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor_coalesced";
+  if (outputs.size() != inputs.size()) usage(where(name) + "expected as many outputs as inputs");
+  std::vector<std::pair<DataType, ReduceOp>> kinds;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const DataType dtype = checkTensor(name, outputs[i]);
+    kinds.push_back({dtype, toReduceOp(name, opts.reduceOp, dtype)});
+    checkLike(name, inputs[i], outputs[i], outputs[i].numel() * getSize(), "input " + std::to_string(i));
+  }
+  Tensors ins = inputs, outs = outputs;
+  return enqueue(name, OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs,
+                 [ins, outs, kinds](Comm& c) {
+                   c.setAlgorithm("ring");
+                   for (size_t i = 0; i < ins.size(); ++i)
+                     reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
+                                       kinds[i].first, kinds[i].second);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+    std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) {
+  const char* name = "alltoall_base";
+  checkTensor(name, input);
+  checkTensor(name, output);
+  if (input.scalar_type() != output.scalar_type())
+    usage(where(name) + "input and output dtypes differ");
+  const int n = getSize();
+  auto plan = [&](const at::Tensor& t, std::vector<int64_t> splits, const char* what) {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const size_t rowBytes = rows == 0 ? 0 : t.nbytes() / static_cast<size_t>(rows);
+    if (splits.empty()) {
+      if (rows % n != 0)
+        usage(where(name) + what + " has " + std::to_string(rows) +
+              " rows, not divisible by the group size " + std::to_string(n));
+      splits.assign(n, rows / n);
+    }
+    if (static_cast<int>(splits.size()) != n)
+      usage(where(name) + what + " splits need " + std::to_string(n) + " entries");
+    int64_t total = 0;
+    for (int64_t s : splits) {
+      if (s < 0) usage(where(name) + what + " splits must not be negative");
+      total += s;
+    }
+    if (total != rows)
+      usage(where(name) + what + " splits sum to " + std::to_string(total) + " but the tensor has " +
+            std::to_string(rows) + " rows");
+    std::vector<size_t> offsets(n), bytes(n);
+    size_t offset = 0;
+    for (int i = 0; i < n; ++i) {
+      offsets[i] = offset;
+      bytes[i] = static_cast<size_t>(splits[i]) * rowBytes;
+      offset += bytes[i];
+    }
+    return std::make_pair(offsets, bytes);
+  };
+  auto [sendOffsets, sendBytes] = plan(input, inputSplits, "input");
+  auto [recvOffsets, recvBytes] = plan(output, outputSplits, "output");
+  if (sendBytes[getRank()] != recvBytes[getRank()])
+    usage(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
+          " bytes but expects " + std::to_string(recvBytes[getRank()]));
+  at::Tensor in = input, out = output;
+  return enqueue("alltoall", OpType::ALLTOALL_BASE, {output},
+                 [in, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
+                  recvOffsets = recvOffsets, recvBytes = recvBytes](Comm& c) {
+                   std::vector<const char*> sends;
+                   std::vector<char*> recvs;
+                   for (int i = 0; i < c.size(); ++i) {
+                     sends.push_back(ptr(in) + sendOffsets[i]);
+                     recvs.push_back(ptr(out) + recvOffsets[i]);
+                   }
+                   alltoallPairwise(c, sends, sendBytes, recvs, recvBytes);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Tensors& inputs,
+                                                            const c10d::AllToAllOptions& opts) {
+  const char* name = "alltoall";
+  const int n = getSize();
+  if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n)
+    usage(where(name) + "expected " + std::to_string(n) + " input and output tensors");
+  for (int i = 0; i < n; ++i) {
+    checkTensor(name, inputs[i]);
+    checkTensor(name, outputs[i]);
+    if (inputs[i].scalar_type() != outputs[0].scalar_type() ||
+        outputs[i].scalar_type() != outputs[0].scalar_type())
+      usage(where(name) + "all tensors must have one dtype");
+  }
+  if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
+    usage(where(name) + "the tensor this rank sends itself differs in size from its output slot");
+  Tensors ins = inputs, outs = outputs;
+  return enqueue(name, OpType::ALLTOALL, outs,
+                 [ins, outs](Comm& c) {
+                   std::vector<const char*> sends;
+                   std::vector<char*> recvs;
+                   std::vector<size_t> sendBytes, recvBytes;
+                   for (int i = 0; i < c.size(); ++i) {
+                     sends.push_back(ptr(ins[i]));
+                     sendBytes.push_back(ins[i].nbytes());
+                     recvs.push_back(ptr(outs[i]));
+                     recvBytes.push_back(outs[i].nbytes());
+                   }
+                   alltoallPairwise(c, sends, sendBytes, recvs, recvBytes);
+                 },
+                 opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
+  return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { barrierDissemination(c); },
+                 opts.timeout);
+}
+
+// ------------------------------------------------------------ point to point
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::pointToPoint(const char* op, OpType type,
+                                                                Tensors& tensors, int peer, int tag,
+                                                                bool isSend) {
+  const at::Tensor& t = single(op, tensors);
+  if (peer != kAnySource) {
+    checkRank(op, peer, getSize(), isSend ? "destination rank" : "source rank");
+    if (peer == getRank()) usage(where(op) + "a rank cannot " + op + " to itself");
+  }
+  if (tag < 0) usage(where(op) + "tags must be non-negative");
+  auto work = c10::make_intrusive<PointToPointWork>(getRank(), type, op, tensors, group_,
+                                                    config_.timeout, peer);
+  const std::string earlier = group_->failure();
+  if (!earlier.empty()) {
+    work->markDone(makeBackendError(where(op) + "the process group is unusable after an earlier failure (" +
+                                    earlier + ")"));
+    return work;
+  }
+  Transport& transport = group_->transport();
+  RequestPtr request = isSend ? transport.isend(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes())
+                              : transport.irecv(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes());
+  work->attach(request);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::send(Tensors& tensors, int dstRank, int tag) {
+  return pointToPoint("send", OpType::SEND, tensors, dstRank, tag, true);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recv(Tensors& tensors, int srcRank, int tag) {
+  return pointToPoint("recv", OpType::RECV, tensors, srcRank, tag, false);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recvAnysource(Tensors& tensors, int tag) {
+  return pointToPoint("recv", OpType::RECVANYSOURCE, tensors, kAnySource, tag, false);
+}
+
+}  // namespace pycomm

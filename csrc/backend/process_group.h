@@ -1,0 +1,143 @@
+// ProcessGroupPycomm: the c10d::Backend that torch.distributed talks to.
+//
+// Collectives are validated at the call (usage errors raise there, naming the
+// op), then run in submission order on one worker thread per group, so
+// async_op=True overlaps with the caller's compute. Point-to-point operations
+// go straight to the transport. The first runtime failure makes the group
+// unusable: later operations fail at once with that failure.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "algorithms/collectives.h"
+#include "backend/work.h"
+#include "transport/transport.h"
+
+namespace pycomm {
+
+struct GroupConfig {
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string bindAddress = "127.0.0.1";
+  size_t segmentBytes = 256 * 1024;
+  std::string algorithm = "auto";
+  std::vector<int> globalRanks;
+};
+
+class ProcessGroupPycomm : public c10d::Backend {
+ public:
+  // Bootstraps a TCP mesh through `store` (torch's per-group prefix store).
+  ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                     GroupConfig config);
+  // Runs over a given transport (the loopback transport in tests).
+  ProcessGroupPycomm(std::shared_ptr<Transport> transport, GroupConfig config);
+  ~ProcessGroupPycomm() override;
+
+  const std::string getBackendName() const override { return "pycomm"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Algorithm control and introspection (pycomm.set_algorithm & co).
+  void setAlgorithm(const std::string& name);
+  std::string algorithm() const;
+  std::string selectAlgorithm(size_t bytes) const;
+  std::string lastAlgorithm() const;
+  // The first runtime failure ("" while the group is healthy).
+  std::string failure() { return group_->failure(); }
+  uint64_t bytesSent() const { return group_->transportPtr()->bytesSent(); }
+  uint64_t bytesReceived() const { return group_->transportPtr()->bytesReceived(); }
+
+ private:
+  using Body = std::function<void(Comm&)>;
+  // Queues `body` for the worker; the returned work completes with `outputs`.
+  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+                                         std::vector<at::Tensor> outputs, Body body,
+                                         std::chrono::milliseconds timeout);
+  void workerLoop();
+  void stopWorker();
+  std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
+  c10::intrusive_ptr<c10d::Work> pointToPoint(const char* op, c10d::OpType type,
+                                              std::vector<at::Tensor>& tensors, int peer, int tag,
+                                              bool isSend);
+  void start();
+
+  struct Task {
+    std::string op;
+    Body body;
+    c10::intrusive_ptr<PycommWork> work;
+    std::chrono::milliseconds timeout;
+  };
+
+  GroupConfig config_;
+  std::shared_ptr<GroupState> group_;
+  std::unique_ptr<Comm> comm_;  // used by the worker thread only
+  std::atomic<int> algorithm_{0};
+  std::atomic<int> lastAlgorithm_{-1};
+
+  std::mutex queueMutex_;
+  std::condition_variable queueCv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,97 @@
+#include "backend/work.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+
+namespace pycomm {
+
+std::string GroupState::fail(const std::string& message) {
+  std::string recorded;
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty()) {
+      failure_ = message;
+      first = true;
+    }
+    recorded = failure_;
+  }
+  if (first) transport_->abort(message);
+  return recorded;
+}
+
+std::string GroupState::failure() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+std::exception_ptr makeBackendError(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+PycommWork::PycommWork(int rank, c10d::OpType opType, const char* profilingTitle,
+                       std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, opType, profilingTitle),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+void PycommWork::markDone(std::exception_ptr error, int sourceRank) {
+  sourceRank_ = sourceRank;
+  finish(error);
+  if (error) future_->setError(error);
+  else future_->markCompleted(c10::IValue(outputs_));
+}
+
+PointToPointWork::PointToPointWork(int rank, c10d::OpType opType, const char* opName,
+                                   std::vector<at::Tensor> tensors,
+                                   std::shared_ptr<GroupState> group,
+                                   std::chrono::milliseconds timeout, int peer)
+    : PycommWork(rank, opType, opName, std::move(tensors)),
+      opName_(opName),
+      group_(std::move(group)),
+      deadline_(Clock::now() + timeout),
+      groupTimeout_(timeout),
+      peer_(peer) {}
+
+void PointToPointWork::attach(const RequestPtr& request) {
+  request_ = request;
+  c10::intrusive_ptr<PointToPointWork> self =
+      c10::intrusive_ptr<PointToPointWork>::reclaim_copy(this);
+  const std::string op = opName_;
+  request->onComplete([self, request, op]() {
+    if (request->failed()) {
+      self->markDone(makeBackendError("pycomm " + op + ": " + request->error()));
+    } else {
+      self->markDone(nullptr, request->sourceRank());
+    }
+  });
+}
+
+bool PointToPointWork::wait(std::chrono::milliseconds timeout) {
+  auto deadline = deadline_;
+  bool userDeadline = false;
+  if (timeout != kNoTimeout && Clock::now() + timeout < deadline) {
+    deadline = Clock::now() + timeout;
+    userDeadline = true;
+  }
+  if (request_ && !request_->waitUntil(deadline)) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%.1f", groupTimeout_.count() / 1000.0);
+    const std::string who = peer_ == kAnySource ? std::string("any rank")
+                                                : group_->transport().rankName(peer_);
+    if (userDeadline) {
+      C10_THROW_ERROR(DistBackendError, "pycomm " + opName_ + ": wait() timed out waiting for " + who);
+    }
+    group_->fail(c10::str("pycomm ", opName_, ": ", group_->transport().rankName(group_->transport().rank()),
+                          " timed out after ", seconds, " s waiting for ", who));
+  }
+  return c10d::Work::wait(kNoTimeout);
+}
+
+}  // namespace pycomm

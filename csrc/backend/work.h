@@ -1,0 +1,76 @@
+// Work objects handed to torch: completion, errors and the Future DDP hooks use.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace pycomm {
+
+// What a group's works share with it: the first runtime failure, and the
+// transport to abort when one happens (so no buffer is written after it).
+class GroupState {
+ public:
+  explicit GroupState(std::shared_ptr<Transport> transport) : transport_(std::move(transport)) {}
+  // Records the first failure and aborts the transport. Returns the recorded failure.
+  std::string fail(const std::string& message);
+  std::string failure();
+  Transport& transport() { return *transport_; }
+  const std::shared_ptr<Transport>& transportPtr() { return transport_; }
+
+ private:
+  std::mutex mutex_;
+  std::string failure_;
+  std::shared_ptr<Transport> transport_;
+};
+
+// Converts a failure message into the exception torch surfaces in Python as
+// torch.distributed.DistBackendError.
+std::exception_ptr makeBackendError(const std::string& message);
+
+class PycommWork : public c10d::Work {
+ public:
+  PycommWork(int rank, c10d::OpType opType, const char* profilingTitle,
+             std::vector<at::Tensor> outputs);
+
+  // Completes the work (and its future): successfully when `error` is null.
+  void markDone(std::exception_ptr error, int sourceRank = -1);
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  int sourceRank() const override { return sourceRank_; }
+
+ protected:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int sourceRank_ = -1;
+};
+
+// A send or receive posted straight to the transport (not through the ordered
+// queue, so isend/irecv pairs cannot deadlock). wait() is bounded by the group
+// timeout: on expiry the group fails and the receive buffer is released.
+class PointToPointWork : public PycommWork {
+ public:
+  PointToPointWork(int rank, c10d::OpType opType, const char* opName, std::vector<at::Tensor> tensors,
+                   std::shared_ptr<GroupState> group, std::chrono::milliseconds timeout, int peer);
+  void attach(const RequestPtr& request);
+  bool wait(std::chrono::milliseconds timeout) override;
+
+ private:
+  std::string opName_;
+  std::shared_ptr<GroupState> group_;
+  RequestPtr request_;
+  Clock::time_point deadline_;
+  std::chrono::milliseconds groupTimeout_;
+  int peer_;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,64 @@
+#include "transport/transport.h"
+
+namespace pycomm {
+
+bool Request::waitUntil(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return cv_.wait_until(lock, deadline, [&] { return state_ != State::kPending; });
+}
+
+bool Request::completed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_ != State::kPending;
+}
+
+bool Request::failed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_ == State::kFailed;
+}
+
+std::string Request::error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+int Request::sourceRank() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sourceRank_;
+}
+
+void Request::finishLocked(std::unique_lock<std::mutex>& lock) {
+  std::function<void()> callback = std::move(callback_);
+  callback_ = nullptr;
+  lock.unlock();
+  cv_.notify_all();
+  if (callback) callback();
+}
+
+void Request::complete(int sourceRank) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (state_ != State::kPending) return;
+  state_ = State::kDone;
+  sourceRank_ = sourceRank == -2 ? peer_ : sourceRank;
+  finishLocked(lock);
+}
+
+void Request::fail(const std::string& message) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (state_ != State::kPending) return;
+  state_ = State::kFailed;
+  error_ = message;
+  finishLocked(lock);
+}
+
+void Request::onComplete(std::function<void()> callback) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (state_ == State::kPending) {
+    callback_ = std::move(callback);
+    return;
+  }
+  lock.unlock();
+  callback();
+}
+
+}  // namespace pycomm

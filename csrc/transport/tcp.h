@@ -1,0 +1,126 @@
+// TCP transport: one connection per pair of ranks, non-blocking sockets, one
+// I/O thread per transport (epoll). Sends are written from the posting thread
+// when the socket has room (no hand-off for small messages); the rest, and every
+// receive, is driven by the I/O thread. Messages that arrive before their
+// receive is posted are buffered, so a send never waits for the receiver.
+//
+// Bootstrap: each rank listens on an ephemeral port of `bindAddress`, publishes
+// "address port" under `<prefix>addr/<rank>` in the store, connects to every
+// lower rank and accepts every higher one.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace pycomm {
+
+struct TcpOptions {
+  std::string bindAddress = "127.0.0.1";
+  std::chrono::milliseconds connectTimeout{30000};
+  std::string storePrefix;
+};
+
+class TcpTransport : public Transport {
+ public:
+  TcpTransport(int rank, int size, KeyValueStore& store, const TcpOptions& options,
+               std::vector<int> globalRanks = {});
+  ~TcpTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* name() const override { return "tcp"; }
+  RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override;
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override;
+  void abort(const std::string& reason) override;
+  uint64_t bytesSent() const override { return bytesSent_; }
+  uint64_t bytesReceived() const override { return bytesReceived_; }
+
+  struct WireHeader {
+    uint32_t magic;
+    uint32_t flags;
+    uint64_t tag;
+    uint64_t bytes;
+  };
+
+ private:
+  struct PostedRecv {
+    uint64_t tag = 0;
+    char* data = nullptr;
+    size_t bytes = 0;
+    RequestPtr request;
+  };
+  // A message that arrived before its receive was posted.
+  struct Unexpected {
+    uint64_t tag = 0;
+    std::vector<char> data;
+    bool complete = false;
+    PostedRecv waiter;  // a receive that claimed it while it was still arriving
+  };
+  struct PendingSend {
+    RequestPtr request;
+    WireHeader header;
+    const char* data;
+    size_t bytes;
+    size_t written;  // of header + payload
+  };
+  struct Peer {
+    int fd = -1;
+    // Guarded by mutex_.
+    std::string failure;
+    std::deque<PostedRecv> posted;
+    std::deque<std::shared_ptr<Unexpected>> unexpected;
+    // Guarded by sendMutex.
+    std::mutex sendMutex;
+    std::deque<PendingSend> sendQueue;
+    bool writeArmed = false;
+    // Receive state machine: touched by the I/O thread only.
+    WireHeader header{};
+    size_t headerGot = 0;
+    bool inPayload = false;
+    char* dst = nullptr;
+    size_t payloadBytes = 0;
+    size_t payloadGot = 0;
+    RequestPtr recvRequest;                  // matched a posted receive
+    std::shared_ptr<Unexpected> recvBuffer;  // or is being buffered
+    std::string discardError;                // or is being discarded (size mismatch)
+  };
+
+  void connectMesh(KeyValueStore& store, const TcpOptions& options);
+  void ioLoop();
+  void handleReadable(int peer);
+  void handleWritable(int peer);
+  void matchIncoming(int peer);
+  void finishIncoming(int peer);
+  // Writes what the socket accepts; returns an error text ("" if none).
+  std::string flushSends(int peer, std::vector<RequestPtr>& done);
+  void armWrite(int peer, bool on);
+  // Marks `peer` lost, fails what waits on it, and closes its socket.
+  void failPeer(int peer, const std::string& reason);
+  void wake();
+  std::string lostMessage(int peer, const std::string& reason) const;
+
+  const int rank_;
+  const int size_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::mutex mutex_;  // match lists, failures, abort state
+  std::deque<PostedRecv> anyPosted_;
+  std::string abortReason_;
+  int listenFd_ = -1;
+  int epollFd_ = -1;
+  int wakeFd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread ioThread_;
+  std::vector<char> scratch_;
+  std::atomic<uint64_t> bytesSent_{0};
+  std::atomic<uint64_t> bytesReceived_{0};
+};
+
+}  // namespace pycomm

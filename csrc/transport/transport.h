@@ -1,0 +1,118 @@
+// Bytes between ranks. Algorithms are written against this interface only;
+// transports know nothing of reductions or dtypes.
+//
+// Semantics every transport keeps:
+//  - isend/irecv post an operation and return at once; the Request completes
+//    when the buffer may be reused (send) or holds the data (recv).
+//  - Messages between one (sender, receiver) pair with the same tag match in
+//    posting order (FIFO), so an algorithm may reuse one tag for a sequence of
+//    segments as long as both sides post them in the same order.
+//  - A receive must be posted with exactly the size that was sent; a mismatch
+//    fails the receive with an error naming both sizes and the sender.
+//  - Failures (lost peer, abort) complete requests with an error; nothing waits
+//    forever: callers wait with a deadline.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace pycomm {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kAnySource = -1;
+
+class Request {
+ public:
+  enum class State { kPending, kDone, kFailed };
+
+  Request(int peer, size_t bytes) : peer_(peer), bytes_(bytes) {}
+
+  int peer() const { return peer_; }
+  size_t bytes() const { return bytes_; }
+
+  // Waits until the request completes or `deadline` passes. Returns false on
+  // timeout (the request stays pending); true once it is done or failed.
+  bool waitUntil(Clock::time_point deadline);
+  bool completed();
+  bool failed();
+  std::string error();
+  // The rank the data came from (differs from peer() for kAnySource receives).
+  int sourceRank();
+
+  // Completion (called by transports, once). Runs the callback, if any, after
+  // releasing the request's lock.
+  void complete(int sourceRank = -2);
+  void fail(const std::string& message);
+
+  // Runs `callback` once the request completes (at once if it already has).
+  void onComplete(std::function<void()> callback);
+
+ private:
+  void finishLocked(std::unique_lock<std::mutex>& lock);
+
+  const int peer_;
+  const size_t bytes_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  State state_ = State::kPending;
+  std::string error_;
+  int sourceRank_ = -1;
+  std::function<void()> callback_;
+};
+
+using RequestPtr = std::shared_ptr<Request>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* name() const = 0;
+
+  // Posts a send of `bytes` bytes at `data` to `peer` (peer != rank()). The
+  // buffer must stay valid until the request completes.
+  virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) = 0;
+  // Posts a receive of exactly `bytes` bytes from `peer` (or kAnySource).
+  virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) = 0;
+
+  // Fails every pending request with `reason`, stops touching user buffers
+  // before returning, and makes every later post fail. Idempotent.
+  virtual void abort(const std::string& reason) = 0;
+
+  // Payload bytes moved through this transport (for pycomm.stats()).
+  virtual uint64_t bytesSent() const = 0;
+  virtual uint64_t bytesReceived() const = 0;
+
+  // How a rank is named in messages: its global rank when the transport
+  // serves a subgroup.
+  std::string rankName(int groupRank) const {
+    if (groupRank >= 0 && static_cast<size_t>(groupRank) < globalRanks_.size())
+      return "rank " + std::to_string(globalRanks_[groupRank]);
+    return "rank " + std::to_string(groupRank);
+  }
+  void setGlobalRanks(std::vector<int> globalRanks) { globalRanks_ = std::move(globalRanks); }
+
+ private:
+  std::vector<int> globalRanks_;
+};
+
+// The tiny key-value interface bootstrap needs. The backend adapts torch's
+// c10d::Store to it; tests use an in-memory map.
+class KeyValueStore {
+ public:
+  virtual ~KeyValueStore() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Blocks until `key` exists (or the store's own timeout, which throws).
+  virtual std::string get(const std::string& key) = 0;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,78 @@
+"""Registration of the "pycomm" torch.distributed backend and per-group controls."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .config import bind_address, load_config
+
+__all__ = [
+    "BACKEND_NAME",
+    "register",
+    "set_algorithm",
+    "get_algorithm",
+    "select_algorithm",
+    "last_algorithm",
+]
+
+BACKEND_NAME = "pycomm"
+
+
+def _timeout_seconds(timeout) -> float:
+    if hasattr(timeout, "total_seconds"):
+        return float(timeout.total_seconds())
+    return float(timeout)
+
+
+def _create_backend(dist_opts, backend_options=None):
+    config = load_config()
+    return _C.ProcessGroupPycomm(
+        store=dist_opts.store,
+        rank=dist_opts.group_rank,
+        size=dist_opts.group_size,
+        timeout_seconds=_timeout_seconds(dist_opts.timeout),
+        bind_address=bind_address(config, dist_opts.store),
+        segment_bytes=config.segment_bytes,
+        algorithm=config.algorithm,
+        global_ranks=[int(r) for r in dist_opts.global_ranks_in_group],
+    )
+
+
+def register() -> None:
+    """Registers the backend with torch.distributed (done by `import pycomm`)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+
+
+def _backend_of(group) -> "_C.ProcessGroupPycomm":
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    backend = group._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ProcessGroupPycomm):
+        raise ValueError(
+            f"pycomm: the group's CPU backend is {type(backend).__name__}, not pycomm"
+        )
+    return backend
+
+
+def set_algorithm(name: str, group=None) -> None:
+    """Fixes the all-reduce algorithm of `group` (default group if None):
+    "ring", "tree", "sharded", or "auto" to let the cost model choose."""
+    _backend_of(group).set_algorithm(name)
+
+
+def get_algorithm(group=None) -> str:
+    """The algorithm setting of `group` ("auto" unless fixed)."""
+    return _backend_of(group).get_algorithm()
+
+
+def select_algorithm(nbytes: int, group=None) -> str:
+    """The algorithm an all-reduce of `nbytes` bytes would use on `group`."""
+    return _backend_of(group).select_algorithm(int(nbytes))
+
+
+def last_algorithm(group=None) -> str:
+    """The algorithm the last all-reduce on `group` used ("" before the first)."""
+    return _backend_of(group).last_algorithm()
