@@ -1,0 +1,25 @@
+# The README's two commands: `make demo` and `make test`. Both install what
+# they need first (torch 2.13.0 CPU build, then pycomm built against it).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: install demo test test-fast bench clean
+
+install:
+	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest
+	$(PIP) install --quiet --no-build-isolation -e .
+
+demo: install
+	$(PYTHON) -m pycomm.demo
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+bench: install
+	$(PYTHON) -m pycomm.bench -n 2 -b 8 -e 64M -f 4
+
+clean:
+	rm -rf build *.egg-info pycomm/_C*.so
