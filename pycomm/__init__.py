@@ -5,6 +5,8 @@
     import pycomm, torch.distributed as dist
     dist.init_process_group("pycomm")
 """
+import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+
 from . import _C
 from ._backend import (
     BACKEND_NAME,
