@@ -1,5 +1,7 @@
 #include "backend/process_group.h"
 
+#include <Python.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -143,8 +145,19 @@ void ProcessGroupPycomm::stopWorker() {
 }
 
 void ProcessGroupPycomm::shutdown() {
-  stopWorker();  // runs what is queued, then stops
-  group_->transportPtr()->abort("pycomm: the process group was shut down");
+  auto stop = [this] {
+    stopWorker();  // runs what is queued, then stops
+    group_->transportPtr()->abort("pycomm: the process group was shut down");
+  };
+  // Python may drop the last reference with the GIL held, while a future callback
+  // on the worker waits for the GIL: release it for the join.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    PyThreadState* state = PyEval_SaveThread();
+    stop();
+    PyEval_RestoreThread(state);
+  } else {
+    stop();
+  }
 }
 
 void ProcessGroupPycomm::abort() {
