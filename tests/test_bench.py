@@ -1,0 +1,259 @@
+"""Tests of the benchmark CLI (pycomm.bench) and the demo (pycomm.demo).
+
+Pure helpers (size parsing, bandwidth formulas, the closed-form check
+patterns) are tested in-process. The CLI and the demo run as subprocesses,
+each with a hard ``timeout=``: a hang fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pycomm
+from pycomm import bench
+
+# Where the imported pycomm lives, so subprocesses import the same one.
+_PACKAGE_ROOT = str(Path(bench.__file__).resolve().parent.parent)
+_HAS_BACKEND = hasattr(pycomm, "set_algorithm")
+requires_backend = pytest.mark.skipif(not _HAS_BACKEND, reason="pycomm extension not built")
+
+# Wall-clock limits for the subprocess runs (generous: 2 cores, shared).
+_CLI_TIMEOUT_S = 240
+_DEMO_TIMEOUT_S = 300
+
+
+def _run_module(module: str, args, cwd, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # spawn mode, never a leftover torchrun environment
+    try:
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"python -m {module} {' '.join(args)} hung for {timeout} s; output so far:\n"
+                    f"{exc.stdout}\n{exc.stderr}", pytrace=False)
+
+
+def _describe(proc: subprocess.CompletedProcess) -> str:
+    return f"exit code {proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("8", 8), ("0", 0), ("64K", 64 * 1024), ("64k", 64 * 1024), ("16M", 16 * 2 ** 20),
+    ("1G", 2 ** 30), ("1.5K", 1536), ("2MiB", 2 * 2 ** 20), ("4KB", 4096), (" 32 ", 32),
+])
+def test_parse_size(text, expected):
+    assert bench.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "K", "12Q", "-8", "1.3", "8 bytes", "0x10"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="^pycomm bench:"):
+        bench.parse_size(text)
+
+
+def test_size_sweep():
+    assert bench.size_sweep(8, 64 * 1024, 8) == [8, 64, 512, 4096, 32768]
+    assert bench.size_sweep(8, 64 * 2 ** 20, 4)[-1] == 32 * 2 ** 20  # nccl-tests: never above -e
+    assert bench.size_sweep(100, 100, 1) == [100]
+    for bad in [(0, 8, 2), (16, 8, 2), (8, 64, 1)]:
+        with pytest.raises(ValueError, match="^pycomm bench:"):
+            bench.size_sweep(*bad)
+
+
+def test_bandwidth_formulas():
+    assert bench.alg_bandwidth(10 ** 9, 1.0) == pytest.approx(1.0)
+    assert bench.alg_bandwidth(2 ** 20, 1e-3) == pytest.approx(2 ** 20 / 1e-3 / 1e9)
+    for n in range(1, 10):
+        # nccl-tests, all-reduce: busbw = algbw * 2(n-1)/n
+        assert bench.bus_bandwidth(3.0, n) == pytest.approx(3.0 * 2 * (n - 1) / n)
+        assert bench.bus_bandwidth(3.0, n, "allgather") == pytest.approx(3.0 * (n - 1) / n)
+        assert bench.bus_bandwidth(3.0, n, "broadcast") == pytest.approx(3.0)
+    assert bench.bus_bandwidth(1.0, 2) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="^pycomm bench:"):
+        bench.alg_bandwidth(8, 0.0)
+    with pytest.raises(ValueError, match="^pycomm bench:"):
+        bench.bus_bandwidth(1.0, 0)
+
+
+def test_iterations_shrink_for_large_sizes():
+    assert bench._iterations_for(2 ** 20, 20, 5) == (20, 5)
+    assert bench._iterations_for(16 * 2 ** 20, 20, 5) == (20, 5)
+    assert bench._iterations_for(32 * 2 ** 20, 20, 5) == (10, 2)
+    assert bench._iterations_for(2 ** 30, 20, 5) == (3, 1)
+    assert bench._iterations_for(2 ** 30, 2, 0) == (2, 0)
+
+
+_REDUCE = {
+    "sum": lambda t: t.sum(0),
+    "avg": lambda t: t.mean(0),
+    "min": lambda t: t.min(0).values,
+    "max": lambda t: t.max(0).values,
+    "product": lambda t: t.prod(0),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_REDUCE))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_check_pattern_closed_form(op, world_size):
+    """Reducing every rank's input gives the expected block, exactly, in every dtype."""
+    for name in ("float32", "float16", "bfloat16", "int8", "uint8", "int64"):
+        dtype = bench.DTYPES[name]
+        if op == "avg" and not dtype.is_floating_point:
+            continue
+        try:
+            period = bench._pattern_period(dtype, op, world_size)
+        except ValueError:
+            assert name in ("int8", "uint8") and world_size >= 8, (name, op, world_size)
+            continue
+        count = 3 * period * world_size + 7  # not a multiple of anything in particular
+        inputs = torch.stack([
+            bench._tiled(bench._pattern_blocks(op, rank, world_size, period)[0], count, dtype)
+            for rank in range(world_size)
+        ])
+        expected = bench._tiled(bench._pattern_blocks(op, 0, world_size, period)[1], count, dtype)
+        reduced = _REDUCE[op](inputs.to(torch.float64)).to(dtype)
+        assert bench._matches(reduced, expected), (name, op, world_size)
+        assert float(inputs.to(torch.float64).abs().max()) <= bench._EXACT_LIMIT[dtype]
+        # Position-dependent: a chunk moved by one element would not match.
+        assert not bench._matches(expected.roll(1), expected), (name, op, world_size)
+
+
+def test_check_detects_wrong_result(tmp_path, monkeypatch):
+    """In-process, one rank over gloo: a corrupted all-reduce gives FAIL rows and ok=False."""
+    cfg = bench.BenchConfig(nprocs=1, min_bytes=64, max_bytes=4096, step_factor=8, iters=2,
+                            warmup=1, backend="gloo", peer=None, quiet=True, timeout_s=60)
+    init = "file://" + str(tmp_path / "rendezvous_ok")
+    result = bench._bench_worker(0, 1, init, cfg)
+    assert result.ok and {row["check"] for row in result.rows} == {"OK"}
+
+    real = bench._all_reduce_once
+
+    def corrupting(buffer, run, op):
+        real(buffer, run, op)
+        buffer[-1] += 1
+
+    monkeypatch.setattr(bench, "_all_reduce_once", corrupting)
+    init = "file://" + str(tmp_path / "rendezvous_bad")
+    result = bench._bench_worker(0, 1, init, cfg)
+    assert not result.ok
+    assert [row["check"] for row in result.rows] == ["FAIL"] * 3
+    assert not dist.is_initialized()
+
+
+def test_main_exit_code_follows_checks(monkeypatch):
+    def fake(ok):
+        return lambda cfg: bench.BenchResult(meta={}, rows=[], ok=ok)
+
+    monkeypatch.setattr(bench, "run_benchmark", fake(True))
+    assert bench.main(["-n", "2"]) == 0
+    monkeypatch.setattr(bench, "run_benchmark", fake(False))
+    assert bench.main(["-n", "2"]) == 1
+
+
+def test_parse_args():
+    cfg = bench.parse_args(["-b", "1K", "-e", "1M", "-f", "2", "--algos", "ring, auto",
+                            "--peer", "none", "--no-check", "--dtype", "bfloat16", "--op", "avg"])
+    assert (cfg.min_bytes, cfg.max_bytes, cfg.step_factor) == (1024, 2 ** 20, 2)
+    assert cfg.algos == ("ring", "auto") and cfg.peer is None and cfg.check is False
+    default = bench.parse_args([])
+    assert (default.nprocs, default.min_bytes, default.max_bytes, default.step_factor) == (2, 8, 64 * 2 ** 20, 4)
+    assert (default.iters, default.warmup, default.dtype, default.op) == (20, 5, "float32", "sum")
+    assert default.algos == ("ring", "tree", "sharded") and default.peer == "gloo" and default.check
+
+
+@pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
+                                  ["-n", "0"]])
+def test_cli_usage_errors(args, tmp_path):
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=60)
+    assert proc.returncode == 2, _describe(proc)
+    assert "pycomm bench:" in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# End to end (subprocesses with timeouts)
+# ---------------------------------------------------------------------------
+
+def _load_rows(path: Path):
+    data = json.loads(path.read_text())
+    assert set(data) >= {"meta", "rows", "ok"}
+    return data["meta"], data["rows"]
+
+
+def _assert_sweep(rows, names, sizes, peer_name):
+    assert sorted({row["size_bytes"] for row in rows}) == sizes
+    for size in sizes:
+        at_size = {row["name"]: row for row in rows if row["size_bytes"] == size}
+        assert set(at_size) == set(names) | {peer_name}, size
+        assert at_size[peer_name]["peer"] and at_size[peer_name]["backend"] == "gloo"
+        for row in at_size.values():
+            assert row["check"] == "OK", row
+            assert row["time_us"] > 0 and row["busbw_gbps"] > 0, row
+            assert row["algbw_gbps"] == pytest.approx(size / (row["time_us"] * 1e-6) / 1e9)
+            assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
+            assert row["count"] * 4 == size and row["world_size"] == 2
+            if not row["peer"]:
+                assert row["vs_peer"] == pytest.approx(
+                    row["busbw_gbps"] / at_size[peer_name]["busbw_gbps"])
+
+
+@requires_backend
+def test_cli_pycomm_vs_gloo(tmp_path):
+    out = tmp_path / "out.json"
+    args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
+            "--json", str(out)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    meta, rows = _load_rows(out)
+    assert meta["world_size"] == 2 and meta["backend"] == "pycomm" and meta["memcpy_gbps"] > 0
+    _assert_sweep(rows, ["ring", "tree", "sharded"], [8, 64, 512, 4096, 32768], "gloo")
+    assert "memcpy" in proc.stdout and "busbw" in proc.stdout and "# check: OK" in proc.stdout
+
+
+@requires_backend
+def test_cli_auto_int32_max(tmp_path):
+    out = tmp_path / "auto.json"
+    args = ["-n", "2", "-b", "1K", "-e", "1M", "-f", "32", "--iters", "2", "--warmup", "0",
+            "--algos", "auto,ring", "--dtype", "int32", "--op", "max", "--json", str(out)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    _, rows = _load_rows(out)
+    assert sorted({row["size_bytes"] for row in rows}) == [1024, 32768, 1048576]
+    auto_rows = [row for row in rows if row["name"] == "auto"]
+    assert len(auto_rows) == 3
+    assert all(row["selected"] in ("ring", "tree", "sharded") for row in auto_rows), auto_rows
+    assert all(row["check"] == "OK" for row in rows), rows
+
+
+def test_cli_harness_on_gloo(tmp_path):
+    """The harness itself, with gloo as the backend under test (independent of pycomm's core)."""
+    out = tmp_path / "gloo.json"
+    args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
+            "--backend", "gloo", "--json", str(out)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    _, rows = _load_rows(out)
+    _assert_sweep(rows, ["gloo"], [8, 64, 512, 4096, 32768], "peer:gloo")
+
+
+@pytest.mark.slow
+@requires_backend
+def test_demo(tmp_path):
+    proc = _run_module("pycomm.demo", ["--steps", "10"], tmp_path, timeout=_DEMO_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    assert "parameters identical on all ranks: OK" in proc.stdout, _describe(proc)
+    assert "matches the same training on gloo: OK" in proc.stdout, _describe(proc)
+    assert "# check: OK" in proc.stdout, _describe(proc)
