@@ -27,10 +27,12 @@ void Comm::wait(const RequestPtr& request) {
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
     const int peer = request->peer();
+    const std::string pending = transport_.describePending(peer);
     throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
                seconds, " s waiting for ",
                peer == kAnySource ? std::string("any rank") : transport_.rankName(peer),
-               " (did it call the same collective? is it alive?)");
+               " (did it call the same collective? is it alive?",
+               pending.empty() ? "" : " " + pending, ")");
   }
   if (request->failed()) throwError(ErrorKind::kConnection, prefix(), ": ", request->error());
 }

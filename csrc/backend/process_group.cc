@@ -516,8 +516,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
     usage(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
           " tensors");
   for (size_t i = 0; i < inputs[0].size(); ++i)
-    checkLike("reduce_scatter", inputs[0][i], output,
-              static_cast<int>(i) == getRank() ? output.numel() : inputs[0][i].numel(),
+    checkLike("reduce_scatter", inputs[0][i], output, output.numel(),
               "input tensor " + std::to_string(i));
   Tensors ins = inputs[0];
   return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,

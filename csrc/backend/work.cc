@@ -66,7 +66,10 @@ void PointToPointWork::attach(const RequestPtr& request) {
   const std::string op = opName_;
   request->onComplete([self, request, op]() {
     if (request->failed()) {
-      self->markDone(makeBackendError("pycomm " + op + ": " + request->error()));
+      // A group-level failure (a timeout, an abort) already carries its prefix.
+      std::string message = request->error();
+      if (message.rfind("pycomm ", 0) != 0) message = "pycomm " + op + ": " + message;
+      self->markDone(makeBackendError(message));
     } else {
       self->markDone(nullptr, request->sourceRank());
     }

@@ -287,6 +287,7 @@ std::string TcpTransport::flushSends(int peer, std::vector<RequestPtr>& done) {
     s.written += static_cast<size_t>(n);
     if (s.written == headerBytes + s.bytes) {
       bytesSent_ += s.bytes;
+      ++p.messagesOut;
       done.push_back(std::move(s.request));
       p.sendQueue.pop_front();
     }
@@ -315,7 +316,8 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
       failure = abortReason_;
     } else {
       // A message that already arrived (or is arriving) matches first.
-      for (int source = 0; source < size_ && deliveredFrom < 0 && failure.empty(); ++source) {
+      bool matched = false;
+      for (int source = 0; source < size_ && !matched && failure.empty(); ++source) {
         if (source == rank_ || (peer != kAnySource && source != peer)) continue;
         auto& queue = peers_[source]->unexpected;
         for (auto it = queue.begin(); it != queue.end(); ++it) {
@@ -324,8 +326,12 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
           if (u.data.size() != bytes) {
             failure = strCat(rankName(source), " sent ", u.data.size(), " bytes where ", bytes,
                              " were expected (tensor sizes differ between ranks?)");
-            if (u.complete) queue.erase(it);
-            else u.waiter = {tag, nullptr, 0, std::make_shared<Request>(source, 0)};
+            if (u.complete) {
+              queue.erase(it);
+            } else {  // claim it, so the rest of it is read and dropped
+              u.waiter = {tag, nullptr, 0, std::make_shared<Request>(source, 0)};
+              u.waiterFailed = true;
+            }
           } else if (u.complete) {
             if (bytes > 0) std::memcpy(data, u.data.data(), bytes);
             queue.erase(it);
@@ -334,6 +340,7 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
             u.waiter = {tag, static_cast<char*>(data), bytes, request};
             deliveredFrom = -3;  // claimed; completes when the message ends
           }
+          matched = true;
           break;
         }
       }
@@ -355,6 +362,27 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
     request->complete(deliveredFrom);
   }
   return request;
+}
+
+std::string TcpTransport::describePending(int peer) {
+  if (peer < 0 || peer >= size_ || peer == rank_) return "";
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Peer& p = *peers_[peer];
+  std::string text;
+  size_t unmatched = 0;
+  for (const auto& u : p.unexpected)
+    if (!u->waiter.request) ++unmatched;
+  if (unmatched > 0) {
+    text = strCat(unmatched, " message(s) from ", rankName(peer),
+                  " arrived that no receive matched (first tag ", p.unexpected.front()->tag & ~(1ull << 63),
+                  ", ", p.unexpected.front()->data.size(), " bytes)");
+  } else {
+    text = strCat("nothing arrived from ", rankName(peer), " for this operation");
+  }
+  text += strCat("; ", p.messagesIn.load(), " messages in and ", p.messagesOut.load(),
+                 " out with it, ", p.posted.size(), " receive(s) posted");
+  if (!p.posted.empty()) text += strCat(" (first tag ", p.posted.front().tag & ~(1ull << 63), ")");
+  return text;
 }
 
 void TcpTransport::ioLoop() {
@@ -420,6 +448,7 @@ void TcpTransport::handleReadable(int peer) {
         failPeer(peer, "received a corrupt message header");
         return;
       }
+      ++p.messagesIn;
       matchIncoming(peer);
       if (p.payloadBytes == 0) finishIncoming(peer);
       else p.inPayload = true;
@@ -478,27 +507,25 @@ void TcpTransport::finishIncoming(int peer) {
     }
     return;
   }
-  RequestPtr waiter;
-  bool waiterMismatch = false;
+  RequestPtr waiter;  // a receive that claimed this message while it arrived
   {
     std::lock_guard<std::mutex> lock(mutex_);
     buffer->complete = true;
     if (buffer->waiter.request) {
-      waiter = buffer->waiter.request;
-      waiterMismatch = buffer->waiter.bytes != buffer->data.size() || buffer->waiter.data == nullptr;
-      if (!waiterMismatch && !buffer->data.empty())
-        std::memcpy(buffer->waiter.data, buffer->data.data(), buffer->data.size());
+      // Sizes were checked when the receive claimed it; a mismatched one failed then.
+      if (!buffer->waiterFailed) {
+        waiter = buffer->waiter.request;
+        if (!buffer->data.empty())
+          std::memcpy(buffer->waiter.data, buffer->data.data(), buffer->data.size());
+      }
       auto& queue = p.unexpected;
       auto it = std::find(queue.begin(), queue.end(), buffer);
       if (it != queue.end()) queue.erase(it);
     }
   }
   if (waiter) {
-    if (waiterMismatch && buffer->waiter.data != nullptr) waiter->fail("size mismatch");
-    else if (!waiterMismatch) {
-      bytesReceived_ += buffer->data.size();
-      waiter->complete(peer);
-    }
+    bytesReceived_ += buffer->data.size();
+    waiter->complete(peer);
   }
 }
 

@@ -40,6 +40,7 @@ class TcpTransport : public Transport {
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override;
   RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override;
   void abort(const std::string& reason) override;
+  std::string describePending(int peer) override;
   uint64_t bytesSent() const override { return bytesSent_; }
   uint64_t bytesReceived() const override { return bytesReceived_; }
 
@@ -63,6 +64,7 @@ class TcpTransport : public Transport {
     std::vector<char> data;
     bool complete = false;
     PostedRecv waiter;  // a receive that claimed it while it was still arriving
+    bool waiterFailed = false;  // that receive expected another size and has failed already
   };
   struct PendingSend {
     RequestPtr request;
@@ -91,6 +93,8 @@ class TcpTransport : public Transport {
     RequestPtr recvRequest;                  // matched a posted receive
     std::shared_ptr<Unexpected> recvBuffer;  // or is being buffered
     std::string discardError;                // or is being discarded (size mismatch)
+    std::atomic<uint64_t> messagesIn{0};     // headers read from this peer
+    std::atomic<uint64_t> messagesOut{0};    // messages fully written to it
   };
 
   void connectMesh(KeyValueStore& store, const TcpOptions& options);

@@ -88,6 +88,10 @@ class Transport {
   // before returning, and makes every later post fail. Idempotent.
   virtual void abort(const std::string& reason) = 0;
 
+  // A short account of what is pending with `peer` (for timeout messages);
+  // "" when there is nothing useful to say.
+  virtual std::string describePending(int peer) { return ""; }
+
   // Payload bytes moved through this transport (for pycomm.stats()).
   virtual uint64_t bytesSent() const = 0;
   virtual uint64_t bytesReceived() const = 0;
