@@ -1,0 +1,333 @@
+"""Multi-process harness for the backend tests (not a test module).
+
+``spawn_run(fn, world_size, backend=...)`` starts ``world_size`` processes
+with the multiprocessing *spawn* context. Each child
+
+* optionally imports ``pycomm`` (registers the "pycomm" backend),
+* creates the default process group with ``backend`` over a fresh rendezvous
+  (file://, tcp:// or env://),
+* also creates a gloo group over the same ranks (``ctx.ref``) so one run can
+  compare the backend under test with gloo,
+* calls ``fn(ctx, *args)`` and sends the pickled return value back,
+* destroys the process group.
+
+The parent enforces a hard wall-clock timeout: children still alive at the
+deadline are killed and the failure names the ranks that hung together with
+the last progress note each of them sent (``ctx.progress(...)``). Exceptions
+in children come back with their tracebacks; a child that dies without
+reporting (segfault, abort) is reported with its exit code.
+
+``fn`` must be a module-level function (it is pickled by reference), and
+anything it returns must be picklable. Spawning processes that import torch
+costs a few seconds each, so tests group many checks into one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import pytest
+
+__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port"]
+
+# Default wall-clock limit for one spawned run (all ranks together).
+DEFAULT_RUN_TIMEOUT_S = 180.0
+# After one rank failed, how long the others get to finish before being killed.
+GRACE_AFTER_ERROR_S = 20.0
+# How long a rank may take to exit after it returned (destroy_process_group).
+EXIT_GRACE_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerContext:
+    """What a worker function gets as its first argument (inside the child)."""
+
+    def __init__(self, rank, world_size, backend, ref, tmpdir, pg_timeout_s, q):
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend  # backend of the default group
+        self.ref = ref  # gloo group over all ranks, or None
+        self.tmpdir = tmpdir  # private to this run, shared by its ranks
+        self.pg_timeout_s = pg_timeout_s
+        self._q = q
+
+    # -- messages to the parent ------------------------------------------
+    def progress(self, note: str) -> None:
+        """Record what this rank is doing; named in the report if it hangs."""
+        self._q.put(("progress", self.rank, note))
+
+    def report(self, key: str, value: Any) -> None:
+        """Send a keyed partial result now (survives a later hang or crash)."""
+        self._q.put(("report", self.rank, (key, pickle.dumps(value))))
+
+    # -- rendezvous ---------------------------------------------------------
+    def init_method(self, tag: str) -> str:
+        """A fresh file:// rendezvous shared by all ranks of this run."""
+        return "file://" + os.path.join(self.tmpdir, "rdzv_" + tag)
+
+    def timeout(self, seconds: float | None = None) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.pg_timeout_s if seconds is None else seconds)
+
+    def abrupt_exit(self, value: Any = None) -> None:
+        """Report ``value`` as this rank's result and leave at once with
+        os._exit(0), without destroying the process group (simulates a peer
+        that disappears)."""
+        self._q.put(("return", self.rank, pickle.dumps(value)))
+        self._q.put(("exit", self.rank, None))
+        self._q.close()
+        self._q.join_thread()
+        os._exit(0)
+
+
+def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env):
+    os.environ.update(env)
+    dist = None
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        if backend == "pycomm":
+            import pycomm  # noqa: F401  (registers the backend)
+
+        kwargs = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+        if init == "file":
+            kwargs["init_method"] = "file://" + os.path.join(tmpdir, "rdzv_main")
+        elif init == "tcp":
+            kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
+        elif init == "env":
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(port)
+            kwargs["init_method"] = "env://"
+        else:
+            raise ValueError(f"unknown init {init!r}")
+        q.put(("progress", rank, f"init_process_group({backend!r}, {init})"))
+        dist.init_process_group(backend, **kwargs)
+        ref = None
+        if make_ref:
+            q.put(("progress", rank, "new_group(backend='gloo')"))
+            ref = dist.new_group(backend="gloo")
+        ctx = WorkerContext(rank, world_size, backend, ref, tmpdir, pg_timeout_s, q)
+        result = fn(ctx, *args)
+        q.put(("return", rank, pickle.dumps(result)))
+    except BaseException:
+        q.put(("error", rank, traceback.format_exc()))
+        # Leave without tearing down: peers see this rank as gone.
+        q.close()
+        q.join_thread()
+        os._exit(1)
+    try:
+        q.put(("progress", rank, "destroy_process_group() after return"))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        q.put(("error", rank, "destroy_process_group() failed:\n" + traceback.format_exc()))
+    q.put(("exit", rank, None))
+    q.close()
+    q.join_thread()
+
+
+@dataclasses.dataclass
+class RunResult:
+    world_size: int
+    backend: str
+    returns: dict  # rank -> return value
+    errors: dict  # rank -> traceback text
+    reports: dict  # rank -> {key: value}
+    progress: dict  # rank -> last progress note
+    hung: list  # ranks killed at the deadline
+    crashed: dict  # rank -> exit code (died without reporting)
+    elapsed_s: float
+    timeout_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not (self.errors or self.hung or self.crashed) and len(self.returns) == self.world_size
+
+    def failure_message(self) -> str | None:
+        if self.ok:
+            return None
+        lines = [f"multi-process run failed (backend={self.backend!r}, world_size={self.world_size}, "
+                 f"{self.elapsed_s:.1f} s of {self.timeout_s:.0f} s):"]
+        for rank in sorted(self.errors):
+            lines.append(f"--- rank {rank} raised (last progress: {self.progress.get(rank)!r}):")
+            lines.append(self.errors[rank].rstrip())
+        for rank in sorted(self.crashed):
+            lines.append(f"--- rank {rank} died with exit code {self.crashed[rank]} without reporting "
+                         f"(last progress: {self.progress.get(rank)!r})")
+        if self.hung:
+            lines.append(f"--- ranks {sorted(self.hung)} hung and were killed; last progress:")
+            for rank in sorted(self.hung):
+                lines.append(f"    rank {rank}: {self.progress.get(rank)!r}")
+        missing = set(range(self.world_size)) - set(self.returns) - set(self.errors) - set(self.crashed) - set(self.hung)
+        if missing:
+            lines.append(f"--- ranks {sorted(missing)} returned nothing")
+        return "\n".join(lines)
+
+    def check(self) -> "RunResult":
+        msg = self.failure_message()
+        if msg:
+            pytest.fail(msg, pytrace=False)
+        return self
+
+
+def spawn_run(
+    fn: Callable,
+    world_size: int,
+    *,
+    backend: str = "pycomm",
+    args: tuple = (),
+    timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
+    pg_timeout_s: float = 60.0,
+    init: str = "file",
+    make_ref: bool = True,
+    env: dict | None = None,
+) -> RunResult:
+    """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
+    longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
+    (partial on failure); use ``.check()`` or ``run_multiprocess`` to fail
+    the test on any error, crash or hang."""
+    mp = multiprocessing.get_context("spawn")
+    q = mp.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
+    port = free_port() if init in ("tcp", "env") else 0
+    env = {k: str(v) for k, v in (env or {}).items()}
+    procs = []
+    start = time.monotonic()
+    for rank in range(world_size):
+        p = mp.Process(
+            target=_child,
+            args=(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env),
+            name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+
+    returns, errors, reports, progress, crashed = {}, {}, {}, {}, {}
+    exited = set()
+    hung = []
+    deadline = start + timeout_s
+    first_error_at = None
+    all_returned_at = None
+
+    def handle(msg):
+        nonlocal first_error_at
+        kind, rank, payload = msg
+        if kind == "progress":
+            progress[rank] = payload
+        elif kind == "report":
+            key, blob = payload
+            reports.setdefault(rank, {})[key] = pickle.loads(blob)
+        elif kind == "return":
+            returns[rank] = pickle.loads(payload)
+        elif kind == "error":
+            errors[rank] = errors.get(rank, "") + payload
+            exited.add(rank)  # the child leaves right after reporting an error
+            if first_error_at is None:
+                first_error_at = time.monotonic()
+        elif kind == "exit":
+            exited.add(rank)
+
+    try:
+        while True:
+            try:
+                handle(q.get(timeout=0.1))
+                continue
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if not p.is_alive() and rank not in exited and rank not in crashed:
+                    # Drain what it may still have sent before deciding.
+                    try:
+                        while True:
+                            handle(q.get(timeout=0.2))
+                    except queue.Empty:
+                        pass
+                    if rank not in exited:
+                        crashed[rank] = p.exitcode
+                        if first_error_at is None:
+                            first_error_at = now
+            done = all((r in exited or r in crashed) for r in range(world_size))
+            if done:
+                break
+            limit = deadline
+            if first_error_at is not None:
+                limit = min(limit, first_error_at + GRACE_AFTER_ERROR_S)
+            if len(returns) == world_size:
+                # everyone returned; give them a bounded time to tear down
+                if all_returned_at is None:
+                    all_returned_at = now
+                limit = min(limit, all_returned_at + EXIT_GRACE_S)
+            if now > limit:
+                break
+    finally:
+        exit_deadline = time.monotonic() + 10.0
+        for rank, p in enumerate(procs):
+            if rank in exited:
+                # it sent its last message; it should now terminate by itself
+                p.join(timeout=max(0.0, exit_deadline - time.monotonic()))
+                if p.is_alive():
+                    hung.append(rank)
+                    progress[rank] = "process did not terminate within 10 s after its worker finished " \
+                                     "(stuck at interpreter exit?)"
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                if rank not in exited and rank not in crashed:
+                    hung.append(rank)
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        try:
+            while True:
+                kind, rank, payload = q.get_nowait()
+                if kind in ("return", "error", "report", "progress"):
+                    handle((kind, rank, payload))
+        except (queue.Empty, OSError, EOFError):
+            pass
+        q.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    for rank in hung:
+        if rank in returns and rank not in exited:
+            progress[rank] = f"returned, then hung in teardown: {progress.get(rank)!r}"
+    return RunResult(world_size, backend, returns, errors, reports, progress, sorted(hung), crashed,
+                     time.monotonic() - start, timeout_s)
+
+
+def run_multiprocess(fn: Callable, world_size: int, **kwargs) -> list:
+    """spawn_run + fail the test on any error/crash/hang; returns the
+    per-rank return values as a list indexed by rank."""
+    res = spawn_run(fn, world_size, **kwargs).check()
+    return [res.returns[r] for r in range(world_size)]
+
+
+def format_failures(failures: list, limit: int = 40) -> str:
+    """Readable, bounded listing of failure strings (deduplicated, in order)."""
+    seen, uniq = set(), []
+    for f in failures:
+        if f not in seen:
+            seen.add(f)
+            uniq.append(f)
+    out = [f"{len(uniq)} failure(s):"] + ["  - " + f for f in uniq[:limit]]
+    if len(uniq) > limit:
+        out.append(f"  ... and {len(uniq) - limit} more")
+    return "\n".join(out)

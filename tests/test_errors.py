@@ -1,0 +1,278 @@
+"""Error behaviour of the backend (multi-process, see mp_util.py).
+
+* Usage errors raise ValueError (or TypeError) at the call itself (tested
+  with async_op=True, so an error only reported by work.wait() is caught as
+  wrong), with a message starting "pycomm <op>:", and leave the group usable.
+* Runtime failures (a peer that never joins the collective, a peer that
+  disappears) raise from work.wait() / the blocking call within the group
+  timeout plus a few seconds, and nothing hangs (hard harness timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_util import spawn_run
+
+BACKEND = "pycomm"
+WORLD = 2
+
+
+def _a2a_bad_splits():
+    # input has 4 elements but the splits add up to 5
+    return dist.all_to_all_single(torch.zeros(4), torch.ones(4), [2, 2], [2, 3], async_op=True)
+
+
+def _direct_allreduce_complex():
+    # dist.all_reduce views complex tensors as real before the backend sees
+    # them, so the backend's own dtype check is reached through the
+    # ProcessGroup API directly.
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return dist.distributed_c10d._get_default_group().allreduce([torch.ones(4, dtype=torch.complex64)], opts)
+
+
+# name -> (family of the op name expected after "pycomm ", the call); every
+# case is symmetric (all ranks make the same bad call), so none can hang.
+CASES = {
+    "all_reduce non-contiguous": ("allreduce", lambda: dist.all_reduce(torch.ones(4, 4).t(), async_op=True)),
+    "all_reduce sparse": ("allreduce", lambda: dist.all_reduce(torch.ones(4).to_sparse(), async_op=True)),
+    "all_reduce BAND float32": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND, async_op=True)),
+    "all_reduce BOR bfloat16": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bfloat16), op=dist.ReduceOp.BOR,
+                                             async_op=True)),
+    "all_reduce BXOR float64": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64), op=dist.ReduceOp.BXOR,
+                                             async_op=True)),
+    "all_reduce AVG int32": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG,
+                                             async_op=True)),
+    "all_reduce AVG uint8": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint8), op=dist.ReduceOp.AVG,
+                                             async_op=True)),
+    "all_reduce AVG bool": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=dist.ReduceOp.AVG,
+                                             async_op=True)),
+    "all_reduce unsupported dtype uint16": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16), async_op=True)),
+    "all_reduce unsupported dtype complex64 (ProcessGroup API)": ("allreduce", _direct_allreduce_complex),
+    "reduce unsupported dtype complex64": (
+        "reduce", lambda: dist.reduce(torch.ones(4, dtype=torch.complex64), dst=0, async_op=True)),
+    "broadcast non-contiguous": ("broadcast", lambda: dist.broadcast(torch.ones(4, 4).t(), src=0, async_op=True)),
+    "all_gather output list with a wrong-size tensor": (
+        "allgather", lambda: dist.all_gather([torch.zeros(5), torch.zeros(6)], torch.ones(5), async_op=True)),
+    # (a wrong output dtype is rejected by torch's Python layer before any backend sees it)
+    "all_gather output list of the wrong length": (
+        "allgather", lambda: dist.all_gather([torch.zeros(5) for _ in range(WORLD + 1)], torch.ones(5),
+                                             async_op=True)),
+    "all_gather_into_tensor wrong output size": (
+        "allgather", lambda: dist.all_gather_into_tensor(torch.zeros(WORLD * 5 + 1), torch.ones(5), async_op=True)),
+    "reduce_scatter_tensor wrong input size": (
+        "reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(5), torch.ones(WORLD * 5 + 1),
+                                                           async_op=True)),
+    "reduce_scatter input list with a wrong-size tensor": (
+        "reducescatter", lambda: dist.reduce_scatter(torch.zeros(5), [torch.ones(5), torch.ones(7)],
+                                                     async_op=True)),
+    "all_to_all_single splits do not match the tensor": ("alltoall", _a2a_bad_splits),
+}
+
+
+def _op_name_ok(msg: str, family: str) -> bool:
+    m = re.match(r"pycomm ([A-Za-z_]+)(?: \([^)]*\))?:", msg.strip())
+    return bool(m) and m.group(1).replace("_", "").lower().startswith(family)
+
+
+def usage_errors_worker(ctx):
+    out = {}  # per-case results go through ctx.report
+    for name, (family, call) in CASES.items():
+        ctx.progress(name)
+        rec = {"family": family}
+        try:
+            work = call()
+            rec["at_call"] = None
+        except Exception as e:  # noqa: BLE001
+            rec["at_call"] = (type(e).__name__, isinstance(e, (ValueError, TypeError)), str(e).strip())
+            work = None
+        if work is not None:
+            try:
+                work.wait()
+                rec["at_wait"] = None
+            except Exception as e:  # noqa: BLE001
+                rec["at_wait"] = (type(e).__name__, str(e).strip()[:300])
+        ctx.report(name, rec)  # survives a later crash
+    # usage errors must not break the group
+    ctx.progress("all_reduce after the usage errors")
+    try:
+        t = torch.full((1001,), float(ctx.rank + 1))
+        dist.all_reduce(t)
+        expected = WORLD * (WORLD + 1) / 2
+        out["_usable"] = None if bool((t == expected).all()) else f"wrong result {t[:4].tolist()}, expected {expected}"
+    except Exception as e:  # noqa: BLE001
+        out["_usable"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def usage_results():
+    return spawn_run(usage_errors_worker, WORLD, backend=BACKEND, timeout_s=120, pg_timeout_s=20, make_ref=False)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_usage_error_raises_at_call(usage_results, case):
+    for rank in range(WORLD):
+        rec = usage_results.reports.get(rank, {}).get(case)
+        if rec is None:
+            pytest.fail(f"rank {rank}: case not reached:\n{usage_results.failure_message()}", pytrace=False)
+        at_call = rec["at_call"]
+        if at_call is None:
+            later = f"; work.wait() then raised {rec['at_wait']}" if rec.get("at_wait") else \
+                "; the call and work.wait() both succeeded"
+            pytest.fail(f"rank {rank}: {case}: no exception at the call{later}", pytrace=False)
+        tname, is_value_or_type, msg = at_call
+        assert is_value_or_type, f"rank {rank}: {case}: raised {tname} (want ValueError or TypeError): {msg!r}"
+        assert _op_name_ok(msg, rec["family"]), (
+            f"rank {rank}: {case}: message should start with 'pycomm {rec['family']}...:', got {msg[:300]!r}")
+
+
+def test_group_usable_after_usage_errors(usage_results):
+    usage_results.check()
+    for rank in range(WORLD):
+        assert usage_results.returns[rank]["_usable"] is None, \
+            f"rank {rank}: all_reduce after the usage errors: {usage_results.returns[rank]['_usable']}"
+
+
+# ---------------------------------------------------------------- runtime ---
+
+PG_TIMEOUT_S = 3.0
+SLACK_S = 5.0
+
+
+def _signal(ctx, name):
+    open(os.path.join(ctx.tmpdir, name), "w").close()
+
+
+def _wait_signal(ctx, name, limit_s):
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and not os.path.exists(os.path.join(ctx.tmpdir, name)):
+        time.sleep(0.05)
+
+
+def _describe(e):
+    return {"type": type(e).__name__, "is_dist_backend_error": isinstance(e, dist.DistBackendError),
+            "is_runtime_error": isinstance(e, RuntimeError), "msg": str(e).strip()[:500]}
+
+
+def timeout_worker(ctx):
+    """Rank 1 stays alive but never joins the all_reduce, nor sends what rank 0 receives."""
+    g2 = dist.new_group([0, 1], timeout=ctx.timeout())  # a second group, still healthy for the recv test
+    if ctx.rank == 1:
+        _wait_signal(ctx, "rank0_done", 60)
+        return None
+    out = {}
+    t = torch.ones(1000)
+    t0 = time.monotonic()
+    out["first_where"] = "call"
+    try:
+        ctx.progress("all_reduce that rank 1 never joins")
+        work = dist.all_reduce(t, async_op=True)
+        out["first_where"] = "work.wait()"
+        work.wait()
+        out["first"] = None
+    except Exception as e:  # noqa: BLE001
+        out["first"] = _describe(e)
+    out["first_s"] = time.monotonic() - t0
+    # after a runtime failure the group must fail again (not hang, not succeed)
+    t0 = time.monotonic()
+    try:
+        ctx.progress("second all_reduce after the timeout")
+        work = dist.all_reduce(torch.ones(10), async_op=True)
+        work.wait()
+        out["second"] = None
+    except Exception as e:  # noqa: BLE001
+        out["second"] = _describe(e)
+    out["second_s"] = time.monotonic() - t0
+    # a recv whose sender never sends, on the other group
+    t0 = time.monotonic()
+    try:
+        ctx.progress("recv from rank 1, which never sends")
+        dist.recv(torch.zeros(10), src=1, group=g2)
+        out["recv"] = None
+    except Exception as e:  # noqa: BLE001
+        out["recv"] = _describe(e)
+    out["recv_s"] = time.monotonic() - t0
+    _signal(ctx, "rank0_done")
+    return out
+
+
+@pytest.fixture(scope="module")
+def timeout_run():
+    return spawn_run(timeout_worker, 2, backend=BACKEND, pg_timeout_s=PG_TIMEOUT_S, make_ref=False, timeout_s=90)
+
+
+def test_timeout_when_peer_never_joins(timeout_run):
+    out = timeout_run.check().returns[0]
+    first = out["first"]
+    assert first is not None, f"all_reduce returned normally after {out['first_s']:.1f} s although rank 1 never joined"
+    assert first["is_runtime_error"], f"raised {first['type']} (want DistBackendError/RuntimeError): {first['msg']!r}"
+    assert out["first_where"] == "work.wait()", f"raised at the call, not from work.wait(): {first['msg']!r}"
+    assert out["first_s"] <= PG_TIMEOUT_S + SLACK_S, \
+        f"took {out['first_s']:.1f} s to fail; the group timeout is {PG_TIMEOUT_S} s"
+    assert out["first_s"] >= PG_TIMEOUT_S * 0.8, \
+        f"failed after {out['first_s']:.2f} s, before the {PG_TIMEOUT_S} s timeout: {first['msg']!r}"
+    assert re.search(r"time[ds]?[ -]?out", first["msg"], re.I), f"message does not mention the timeout: {first['msg']!r}"
+    assert "rank 1" in first["msg"], f"message does not name the silent peer (rank 1): {first['msg']!r}"
+    second = out["second"]
+    assert second is not None, "a collective on the group after its timeout succeeded (rank 1 never joined)"
+    assert second["is_runtime_error"], f"second call raised {second['type']}: {second['msg']!r}"
+    assert out["second_s"] <= PG_TIMEOUT_S + SLACK_S, f"second call took {out['second_s']:.1f} s to fail"
+
+
+def test_recv_timeout_when_peer_never_sends(timeout_run):
+    out = timeout_run.check().returns[0]
+    err = out["recv"]
+    assert err is not None, f"recv returned after {out['recv_s']:.1f} s although rank 1 never sent"
+    assert err["is_runtime_error"], f"raised {err['type']} (want DistBackendError/RuntimeError): {err['msg']!r}"
+    assert PG_TIMEOUT_S * 0.8 <= out["recv_s"] <= PG_TIMEOUT_S + SLACK_S, \
+        f"recv failed after {out['recv_s']:.1f} s; the group timeout is {PG_TIMEOUT_S} s: {err['msg']!r}"
+    assert re.search(r"time[ds]?[ -]?out", err["msg"], re.I), f"message does not mention the timeout: {err['msg']!r}"
+    assert "rank 1" in err["msg"], f"message does not name the silent peer (rank 1): {err['msg']!r}"
+    assert not re.match(r"\s*(pycomm [\w ()]+:)\s*\1", err["msg"]), f"message repeats its prefix: {err['msg']!r}"
+
+
+def lost_peer_worker(ctx):
+    """Rank 1 leaves abruptly (os._exit) while rank 0 runs collectives."""
+    dist.barrier()
+    if ctx.rank == 1:
+        ctx.abrupt_exit(None)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    out = {}
+    try:
+        ctx.progress("all_reduce with rank 1 gone")
+        work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+        out["where"] = "wait"
+        work.wait()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["error"] = _describe(e)
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def test_lost_peer_raises():
+    timeout = 10.0
+    res = spawn_run(lost_peer_worker, 2, backend=BACKEND, pg_timeout_s=timeout, make_ref=False, timeout_s=90)
+    res.check()
+    out = res.returns[0]
+    err = out["error"]
+    assert err is not None, "all_reduce succeeded although rank 1 had exited"
+    assert err["is_runtime_error"], f"raised {err['type']} (want DistBackendError/RuntimeError): {err['msg']!r}"
+    assert out["seconds"] <= timeout + SLACK_S, f"took {out['seconds']:.1f} s to notice the lost peer"
+    assert "rank 1" in err["msg"], f"message does not name the lost peer (rank 1): {err['msg']!r}"
