@@ -153,7 +153,8 @@ def format_size(nbytes: int) -> str:
 
 
 def size_sweep(min_bytes: int, max_bytes: int, step_factor: int) -> List[int]:
-    """Sizes ``min_bytes * step_factor**k`` that do not exceed ``max_bytes`` (nccl-tests' ``-f``)."""
+    """Sizes ``min_bytes * step_factor**k`` up to ``max_bytes`` (nccl-tests' ``-f``), plus
+    ``max_bytes`` itself when the geometric steps skip it, so ``-e 64M`` always shows 64M."""
     if min_bytes < 0 or max_bytes < 0:
         raise ValueError(f"{_PREFIX} sizes must be non-negative")
     if min_bytes > max_bytes:
@@ -169,6 +170,8 @@ def size_sweep(min_bytes: int, max_bytes: int, step_factor: int) -> List[int]:
     while size <= max_bytes:
         sizes.append(size)
         size *= step_factor
+    if sizes[-1] != max_bytes:
+        sizes.append(max_bytes)
     return sizes
 
 

@@ -66,8 +66,10 @@ def test_parse_size_rejects(text):
 
 
 def test_size_sweep():
-    assert bench.size_sweep(8, 64 * 1024, 8) == [8, 64, 512, 4096, 32768]
-    assert bench.size_sweep(8, 64 * 2 ** 20, 4)[-1] == 32 * 2 ** 20  # nccl-tests: never above -e
+    assert bench.size_sweep(8, 32 * 1024, 8) == [8, 64, 512, 4096, 32768]
+    # The end point is always measured, even when the geometric steps skip it.
+    assert bench.size_sweep(8, 64 * 1024, 8) == [8, 64, 512, 4096, 32768, 65536]
+    assert bench.size_sweep(8, 64 * 2 ** 20, 4)[-2:] == [32 * 2 ** 20, 64 * 2 ** 20]
     assert bench.size_sweep(100, 100, 1) == [100]
     for bad in [(0, 8, 2), (16, 8, 2), (8, 64, 1)]:
         with pytest.raises(ValueError, match="^pycomm bench:"):
@@ -219,7 +221,7 @@ def test_cli_pycomm_vs_gloo(tmp_path):
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     assert meta["world_size"] == 2 and meta["backend"] == "pycomm" and meta["memcpy_gbps"] > 0
-    _assert_sweep(rows, ["ring", "tree", "sharded"], [8, 64, 512, 4096, 32768], "gloo")
+    _assert_sweep(rows, ["ring", "tree", "sharded"], [8, 64, 512, 4096, 32768, 65536], "gloo")
     assert "memcpy" in proc.stdout and "busbw" in proc.stdout and "# check: OK" in proc.stdout
 
 
@@ -246,7 +248,7 @@ def test_cli_harness_on_gloo(tmp_path):
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
     _, rows = _load_rows(out)
-    _assert_sweep(rows, ["gloo"], [8, 64, 512, 4096, 32768], "peer:gloo")
+    _assert_sweep(rows, ["gloo"], [8, 64, 512, 4096, 32768, 65536], "peer:gloo")
 
 
 @pytest.mark.slow
