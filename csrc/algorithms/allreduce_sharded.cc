@@ -43,7 +43,8 @@ void halvingDoubling(Comm& comm, char* data, const std::vector<size_t>& offsets,
   const size_t elementBytes = elementSize(dtype);
   auto at = [&](int chunk) { return data + offsets[chunk] * elementBytes; };
   auto elems = [&](int lo, int hi) { return offsets[hi] - offsets[lo]; };
-  std::vector<char> scratch(elems(0, n / 2 + (n > 1 ? 0 : 1)) * elementBytes + elementBytes);
+  // The first halving step keeps the largest range (balanced chunks, lower half first).
+  char* scratch = comm.scratch(0, elems(0, n / 2) * elementBytes);
 
   // Recursive halving: keep the half of the current range that holds chunk r.
   int lo = 0;
@@ -54,10 +55,8 @@ void halvingDoubling(Comm& comm, char* data, const std::vector<size_t>& offsets,
     const bool lower = (r & d) == 0;
     const int keepLo = lower ? lo : mid, keepHi = lower ? mid : hi;
     const int giveLo = lower ? mid : lo, giveHi = lower ? hi : mid;
-    if (scratch.size() < elems(keepLo, keepHi) * elementBytes)
-      scratch.resize(elems(keepLo, keepHi) * elementBytes);
     exchangeReduce(comm, partner, at(giveLo), elems(giveLo, giveHi), at(keepLo),
-                   elems(keepLo, keepHi), scratch.data(), dtype, op);
+                   elems(keepLo, keepHi), scratch, dtype, op);
     lo = keepLo;
     hi = keepHi;
   }
@@ -85,12 +84,12 @@ void directExchange(Comm& comm, char* data, const std::vector<size_t>& offsets, 
   const size_t segments = segmentCount(mine, segElems);
 
   // Reduce-scatter: every peer's copy of my shard lands in its own scratch slot.
-  std::vector<char> scratch(static_cast<size_t>(n - 1) * mine * elementBytes);
+  char* scratch = comm.scratch(0, static_cast<size_t>(n - 1) * mine * elementBytes);
   std::vector<std::vector<RequestPtr>> recvs(n);
   std::vector<RequestPtr> sends;
   for (int k = 1; k < n; ++k) {
     const int peer = (r + k) % n;
-    char* slot = scratch.data() + static_cast<size_t>(k - 1) * mine * elementBytes;
+    char* slot = scratch + static_cast<size_t>(k - 1) * mine * elementBytes;
     for (size_t j = 0; j < segments; ++j)
       recvs[k].push_back(comm.recv(peer, slot + j * segBytes,
                                    std::min(segElems, mine - j * segElems) * elementBytes));
@@ -104,7 +103,7 @@ void directExchange(Comm& comm, char* data, const std::vector<size_t>& offsets, 
                                 std::min(segElems, theirs - j * segElems) * elementBytes));
   }
   for (int k = 1; k < n; ++k) {
-    const char* slot = scratch.data() + static_cast<size_t>(k - 1) * mine * elementBytes;
+    const char* slot = scratch + static_cast<size_t>(k - 1) * mine * elementBytes;
     for (size_t j = 0; j < segments; ++j) {
       comm.wait(recvs[k][j]);
       reduceInto(myShard + j * segBytes, slot + j * segBytes, std::min(segElems, mine - j * segElems),

@@ -1,5 +1,6 @@
 #include "algorithms/comm.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace pycomm {
@@ -40,6 +41,18 @@ void Comm::wait(const RequestPtr& request) {
 void Comm::waitAll(std::vector<RequestPtr>& requests) {
   for (auto& request : requests) wait(request);
   requests.clear();
+}
+
+char* Comm::scratch(int slot, size_t bytes) {
+  if (scratch_.size() <= static_cast<size_t>(slot)) {
+    scratch_.resize(slot + 1);
+    scratchBytes_.resize(slot + 1, 0);
+  }
+  if (scratchBytes_[slot] < bytes || !scratch_[slot]) {
+    scratch_[slot].reset(new char[std::max<size_t>(bytes, 1)]);
+    scratchBytes_[slot] = bytes;
+  }
+  return scratch_[slot].get();
 }
 
 std::vector<size_t> balancedOffsets(size_t count, int parts) {

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,11 @@ class Comm {
   void wait(const RequestPtr& request);
   void waitAll(std::vector<RequestPtr>& requests);
 
+  // Scratch memory that outlives one collective (not zeroed): slot `slot` holds
+  // at least `bytes` bytes until the next call for the same slot. Reusing it
+  // spares every large collective an allocation and its page faults.
+  char* scratch(int slot, size_t bytes);
+
  private:
   Transport& transport_;
   std::chrono::milliseconds timeout_;
@@ -58,6 +64,8 @@ class Comm {
   Clock::time_point deadline_;
   std::string op_;
   std::string algorithm_;
+  std::vector<std::unique_ptr<char[]>> scratch_;
+  std::vector<size_t> scratchBytes_;
 };
 
 // Splits `count` elements into `parts` near-equal chunks; returns the n+1 offsets.

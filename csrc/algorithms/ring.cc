@@ -45,11 +45,11 @@ void ringRun(Comm& comm, const std::vector<char*>& chunks, const std::vector<siz
     return std::min(segElems, counts[chunk] - j * segElems);
   };
 
-  std::vector<char> scratch[2];
+  char* scratch[2] = {nullptr, nullptr};
   if (plan.reduceSteps > 0) {
     const size_t maxChunk = *std::max_element(counts.begin(), counts.end());
-    scratch[0].resize(maxChunk * elementBytes);
-    scratch[1].resize(maxChunk * elementBytes);
+    scratch[0] = comm.scratch(0, maxChunk * elementBytes);
+    scratch[1] = comm.scratch(1, maxChunk * elementBytes);
   }
   std::vector<RequestPtr> recvs[2];
   std::vector<RequestPtr> sends;
@@ -59,7 +59,7 @@ void ringRun(Comm& comm, const std::vector<char*>& chunks, const std::vector<siz
     auto& slot = recvs[s & 1];
     slot.clear();
     for (size_t j = 0; j < segmentCount(counts[chunk], segElems); ++j) {
-      char* dst = isReduce(s) ? scratch[s & 1].data() + j * segBytes : chunks[chunk] + j * segBytes;
+      char* dst = isReduce(s) ? scratch[s & 1] + j * segBytes : chunks[chunk] + j * segBytes;
       slot.push_back(comm.recv(left, dst, segLength(chunk, j) * elementBytes));
     }
   };
@@ -77,7 +77,7 @@ void ringRun(Comm& comm, const std::vector<char*>& chunks, const std::vector<siz
       comm.wait(slot[j]);
       const size_t length = segLength(chunk, j);
       char* segment = chunks[chunk] + j * segBytes;
-      if (isReduce(s)) reduceInto(segment, scratch[s & 1].data() + j * segBytes, length, dtype, op);
+      if (isReduce(s)) reduceInto(segment, scratch[s & 1] + j * segBytes, length, dtype, op);
       // The chunk step s+1 sends is the one step s just finished.
       if (s + 1 < plan.totalSteps) sends.push_back(comm.send(right, segment, length * elementBytes));
     }

@@ -72,9 +72,9 @@ void reduceTree(Comm& comm, void* acc, size_t count, DataType dtype, ReduceOp op
   auto length = [&](size_t j) { return segments == 0 ? 0 : std::min(segElems, count - j * segElems); };
 
   const size_t children = node.children.size();
-  std::vector<char> scratch(children * kReduceWindow * segBytes);
+  char* scratch = comm.scratch(0, children * kReduceWindow * segBytes);
   std::vector<std::vector<RequestPtr>> recvs(children, std::vector<RequestPtr>(kReduceWindow));
-  auto slot = [&](size_t child, size_t j) { return scratch.data() + (child * kReduceWindow + j % kReduceWindow) * segBytes; };
+  auto slot = [&](size_t child, size_t j) { return scratch + (child * kReduceWindow + j % kReduceWindow) * segBytes; };
   auto post = [&](size_t child, size_t j) {
     recvs[child][j % kReduceWindow] = comm.recv(node.children[child], slot(child, j), length(j) * elementBytes);
   };
