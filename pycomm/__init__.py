@@ -18,6 +18,20 @@ from ._backend import (
 )
 from .config import Config, load_config
 
+
+def stats() -> dict:
+    """This process's pycomm counters since start (or the last reset_stats()):
+    ``bytes_sent`` / ``bytes_received`` (payload bytes through every transport),
+    and ``ops``: per operation name, ``count``, ``failures``, ``seconds`` (time on the
+    worker thread) and ``bytes`` (size of the tensors the op was called with)."""
+    return _C._stats()
+
+
+def reset_stats() -> None:
+    """Zeroes the counters stats() reports."""
+    _C._reset_stats()
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -26,8 +40,10 @@ __all__ = [
     "get_algorithm",
     "last_algorithm",
     "load_config",
+    "reset_stats",
     "select_algorithm",
     "set_algorithm",
+    "stats",
 ]
 
 register()

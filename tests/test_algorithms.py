@@ -200,3 +200,17 @@ def test_auto_selection_follows_size():
         assert _C._select_algorithm(64 << 20, n) in ("ring", "sharded"), n
     assert _C._select_algorithm(64 << 20, 2) == "ring"
     assert _C._select_algorithm(64 << 20, 8) == "sharded"  # halving/doubling: fewer hops, same bytes
+
+
+def test_stats_count_ring_bytes_exactly():
+    """A ring all-reduce moves 2(n-1)/n of the buffer per rank: 2(n-1)*S in all."""
+    import pycomm
+
+    n, count = 4, 4096
+    pycomm.reset_stats()
+    run("allreduce", [torch.ones(count) for _ in range(n)], "sum", "ring", segment=1024)
+    stats = pycomm.stats()
+    assert stats["bytes_sent"] == 2 * (n - 1) * count * 4
+    assert stats["bytes_received"] == stats["bytes_sent"]
+    pycomm.reset_stats()
+    assert pycomm.stats()["bytes_sent"] == 0

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "algorithms/collectives.h"
+#include "common/stats.h"
 #include "backend/process_group.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/loopback.h"
@@ -161,6 +162,24 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tensors"), py::arg("op") = "sum", py::arg("algorithm") = "auto",
         py::arg("root") = 0, py::arg("segment_bytes") = 256 * 1024,
         py::arg("timeout_seconds") = 60.0);
+  m.def("_stats", [] {
+    auto& stats = pycomm::Stats::instance();
+    py::dict ops;
+    for (const auto& [name, entry] : stats.ops()) {
+      py::dict row;
+      row["count"] = entry.count;
+      row["failures"] = entry.failures;
+      row["seconds"] = entry.seconds;
+      row["bytes"] = entry.bytes;
+      ops[py::str(name)] = row;
+    }
+    py::dict result;
+    result["bytes_sent"] = stats.sent();
+    result["bytes_received"] = stats.received();
+    result["ops"] = ops;
+    return result;
+  });
+  m.def("_reset_stats", [] { pycomm::Stats::instance().reset(); });
   m.def("_select_algorithm",
         [](size_t bytes, int worldSize) {
           return std::string(pycomm::allreduceAlgorithmName(

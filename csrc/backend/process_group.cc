@@ -9,6 +9,7 @@
 
 #include "backend/store_adapter.h"
 #include "common/logging.h"
+#include "common/stats.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/tcp.h"
 
@@ -188,6 +189,7 @@ void ProcessGroupPycomm::workerLoop() {
       queue_.pop_front();
     }
     std::exception_ptr error;
+    const auto started = Clock::now();
     const std::string earlier = group_->failure();
     if (!earlier.empty()) {
       error = makeBackendError("pycomm " + task.op +
@@ -204,6 +206,11 @@ void ProcessGroupPycomm::workerLoop() {
         error = makeBackendError(message);
       }
     }
+    uint64_t tensorBytes = 0;
+    for (const auto& t : task.work->result()) tensorBytes += t.nbytes();
+    Stats::instance().recordOp(task.op,
+                               std::chrono::duration<double>(Clock::now() - started).count(),
+                               tensorBytes, error != nullptr);
     task.work->markDone(error);
   }
 }

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/stats.h"
 
 namespace pycomm {
 namespace {
@@ -55,6 +56,8 @@ RequestPtr LoopbackTransport::isend(int peer, uint64_t tag, const void* data, si
     return request;
   }
   sent_ += bytes;
+  Stats::instance().addSent(bytes);
+  if (matched) Stats::instance().addReceived(bytes);  // the receiver's share, delivered now
   if (matched) matched->complete(rank_);
   request->complete();
   return request;
@@ -90,6 +93,7 @@ RequestPtr LoopbackTransport::irecv(int peer, uint64_t tag, void* data, size_t b
     request->fail(failure);
   } else if (done) {
     received_ += bytes;
+    Stats::instance().addReceived(bytes);
     request->complete();
   }
   return request;

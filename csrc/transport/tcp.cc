@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/stats.h"
 
 namespace pycomm {
 namespace {
@@ -287,6 +288,7 @@ std::string TcpTransport::flushSends(int peer, std::vector<RequestPtr>& done) {
     s.written += static_cast<size_t>(n);
     if (s.written == headerBytes + s.bytes) {
       bytesSent_ += s.bytes;
+      Stats::instance().addSent(s.bytes);
       ++p.messagesOut;
       done.push_back(std::move(s.request));
       p.sendQueue.pop_front();
@@ -359,6 +361,7 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
     request->fail(failure);
   } else if (deliveredFrom >= 0) {
     bytesReceived_ += bytes;
+    Stats::instance().addReceived(bytes);
     request->complete(deliveredFrom);
   }
   return request;
@@ -503,6 +506,7 @@ void TcpTransport::finishIncoming(int peer) {
       request->fail(discardError);
     } else {
       bytesReceived_ += p.payloadBytes;
+      Stats::instance().addReceived(p.payloadBytes);
       request->complete(peer);
     }
     return;
@@ -525,6 +529,7 @@ void TcpTransport::finishIncoming(int peer) {
   }
   if (waiter) {
     bytesReceived_ += buffer->data.size();
+    Stats::instance().addReceived(buffer->data.size());
     waiter->complete(peer);
   }
 }
