@@ -22,6 +22,8 @@ from .config import Config, load_config
 def stats() -> dict:
     """This process's pycomm counters since start (or the last reset_stats()):
     ``bytes_sent`` / ``bytes_received`` (payload bytes through every transport),
+    ``bytes_buffered`` (received bytes that arrived before their receive was posted,
+    so were copied once more),
     and ``ops``: per operation name, ``count``, ``failures``, ``seconds`` (time on the
     worker thread) and ``bytes`` (size of the tensors the op was called with)."""
     return _C._stats()

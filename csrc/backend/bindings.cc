@@ -176,6 +176,7 @@ PYBIND11_MODULE(_C, m) {
     py::dict result;
     result["bytes_sent"] = stats.sent();
     result["bytes_received"] = stats.received();
+    result["bytes_buffered"] = stats.buffered();
     result["ops"] = ops;
     return result;
   });

@@ -27,6 +27,9 @@ class Stats {
   void addReceived(uint64_t bytes) { received_.fetch_add(bytes, std::memory_order_relaxed); }
   uint64_t sent() const { return sent_.load(std::memory_order_relaxed); }
   uint64_t received() const { return received_.load(std::memory_order_relaxed); }
+  // Bytes that arrived before their receive was posted (buffered, then copied).
+  void addBuffered(uint64_t bytes) { buffered_.fetch_add(bytes, std::memory_order_relaxed); }
+  uint64_t buffered() const { return buffered_.load(std::memory_order_relaxed); }
 
   void recordOp(const std::string& op, double seconds, uint64_t bytes, bool failed) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -45,11 +48,13 @@ class Stats {
     ops_.clear();
     sent_ = 0;
     received_ = 0;
+    buffered_ = 0;
   }
 
  private:
   std::atomic<uint64_t> sent_{0};
   std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> buffered_{0};
   std::mutex mutex_;
   std::map<std::string, OpStats> ops_;
 };

@@ -485,6 +485,7 @@ void TcpTransport::matchIncoming(int peer) {
   };
   if (take(p.posted) || take(anyPosted_)) return;
   auto buffer = std::make_shared<Unexpected>();
+  Stats::instance().addBuffered(p.payloadBytes);
   buffer->tag = p.header.tag;
   buffer->data.resize(p.payloadBytes);
   p.dst = buffer->data.data();
