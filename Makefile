@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 .PHONY: install demo test test-fast bench clean
 
 install:
-	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest
+	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
 	$(PIP) install --quiet --no-build-isolation -e .
 
 demo: install

@@ -28,7 +28,7 @@ setup(
     "with ring/tree/sharded all-reduce",
     packages=find_packages(include=["pycomm", "pycomm.*"]),
     python_requires=">=3.9",
-    install_requires=["torch", "numpy"],
+    install_requires=["torch", "numpy", "scikit-learn", "pyyaml", "tqdm", "matplotlib"],
     ext_modules=[
         CppExtension(
             name="pycomm._C",
@@ -38,5 +38,10 @@ setup(
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    entry_points={"console_scripts": ["pycomm-bench=pycomm.bench:main"]},
+    entry_points={
+        "console_scripts": [
+            "pycomm-bench=pycomm.bench:main",
+            "pycomm-train=pycomm.train.cli:main",
+        ]
+    },
 )
