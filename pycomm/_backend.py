@@ -36,6 +36,7 @@ def _create_backend(dist_opts, backend_options=None):
         segment_bytes=config.segment_bytes,
         algorithm=config.algorithm,
         global_ranks=[int(r) for r in dist_opts.global_ranks_in_group],
+        check_calls=config.check_calls,
     )
 
 

@@ -6,8 +6,15 @@ variable               default    meaning
 PYCOMM_ALGO            auto       all-reduce algorithm: auto, ring, tree or sharded
 PYCOMM_SEGMENT_BYTES   262144     pipeline segment size in bytes
 PYCOMM_SOCKET_IFNAME   (unset)    network interface to listen on (e.g. eth0)
-PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce and
-                                  failures to stderr (read by the C++ core)
+PYCOMM_CHECK           0          1 makes ranks compare each collective's call (op,
+                                  dtype, element count, reduce op, root) before
+                                  running it, so a mismatch fails with an error
+                                  naming the ranks; also on with
+                                  TORCH_DISTRIBUTED_DEBUG=DETAIL. Costs one small
+                                  all-gather per collective.
+PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce,
+                                  dropped connections and failures to stderr (read
+                                  by the C++ core)
 =====================  =========  ==================================================
 
 Without PYCOMM_SOCKET_IFNAME, pycomm listens on the local address that routes to
@@ -24,7 +31,7 @@ import struct
 
 __all__ = ["Config", "load_config", "bind_address", "ENV_VARS"]
 
-ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_DEBUG")
+ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK", "PYCOMM_DEBUG")
 ALGORITHMS = ("auto", "ring", "tree", "sharded")
 
 
@@ -33,6 +40,7 @@ class Config:
     algorithm: str = "auto"
     segment_bytes: int = 256 * 1024
     socket_ifname: str | None = None
+    check_calls: bool = False
 
 
 def load_config(environ=None) -> Config:
@@ -50,7 +58,10 @@ def load_config(environ=None) -> Config:
     if segment < 64:
         raise ValueError(f"pycomm: PYCOMM_SEGMENT_BYTES={segment} is too small (minimum 64)")
     ifname = env.get("PYCOMM_SOCKET_IFNAME") or None
-    return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname)
+    check = env.get("PYCOMM_CHECK", "0").strip() not in ("", "0") or (
+        env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
+    )
+    return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check)
 
 
 def _interface_address(ifname: str) -> str:

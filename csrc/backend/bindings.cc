@@ -138,18 +138,21 @@ PYBIND11_MODULE(_C, m) {
                                                                         backendBase)
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        double timeoutSeconds, const std::string& bindAddress, size_t segmentBytes,
-                       const std::string& algorithm, std::vector<int> globalRanks) {
+                       const std::string& algorithm, std::vector<int> globalRanks,
+                       bool checkCalls) {
              pycomm::GroupConfig config;
              config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
              config.bindAddress = bindAddress;
              config.segmentBytes = segmentBytes;
              config.algorithm = algorithm;
              config.globalRanks = std::move(globalRanks);
+             config.checkCalls = checkCalls;
              return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
            py::arg("bind_address"), py::arg("segment_bytes"), py::arg("algorithm"),
-           py::arg("global_ranks"), py::call_guard<py::gil_scoped_release>())
+           py::arg("global_ranks"), py::arg("check_calls") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("set_algorithm", &ProcessGroupPycomm::setAlgorithm, py::arg("name"))
       .def("get_algorithm", &ProcessGroupPycomm::algorithm)
       .def("select_algorithm", &ProcessGroupPycomm::selectAlgorithm, py::arg("nbytes"))

@@ -100,7 +100,55 @@ void checkRank(const char* op, int rank, int size, const char* what) {
 
 char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
+CallSignature signature(const char* op, const at::Tensor* like = nullptr, int64_t count = -1,
+                        int reduceOp = -1, int root = -1) {
+  CallSignature sig;
+  std::strncpy(sig.op, op, sizeof(sig.op) - 1);
+  if (like != nullptr) {
+    sig.dtype = static_cast<int32_t>(toDataType(op, like->scalar_type()));
+    // count: -1 takes the tensor's numel, -2 leaves counts uncompared (all-to-all splits differ).
+    sig.count = count == -2 ? -1 : count >= 0 ? count : like->numel();
+  }
+  sig.reduceOp = reduceOp;
+  sig.root = root;
+  return sig;
+}
+
+int64_t totalNumel(const Tensors& tensors) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  return total;
+}
+
+std::string describeCall(const CallSignature& sig) {
+  std::string text = sig.op;
+  if (sig.dtype >= 0) text += strCat(" ", dataTypeName(static_cast<DataType>(sig.dtype)));
+  if (sig.count >= 0) text += strCat(" x", sig.count);
+  if (sig.reduceOp >= 0) text += strCat(" ", reduceOpName(static_cast<ReduceOp>(sig.reduceOp)));
+  if (sig.root >= 0) text += strCat(" root ", sig.root);
+  return text;
+}
+
 }  // namespace
+
+void ProcessGroupPycomm::checkSameCall(Comm& comm, const CallSignature& mine) {
+  const int n = comm.size();
+  std::vector<CallSignature> all(n);
+  all[comm.rank()] = mine;
+  std::vector<char*> chunks;
+  for (auto& sig : all) chunks.push_back(reinterpret_cast<char*>(&sig));
+  comm.setAlgorithm("check");
+  ringAllgather(comm, chunks, std::vector<size_t>(n, sizeof(CallSignature)));
+  comm.setAlgorithm("");
+  bool same = true;
+  for (int r = 1; r < n; ++r) same = same && std::memcmp(&all[r], &all[0], sizeof(CallSignature)) == 0;
+  if (same) return;
+  std::string calls;
+  for (int r = 0; r < n && r < 8; ++r)
+    calls += strCat(r ? "; " : "", comm.transport().rankName(r), ": ", describeCall(all[r]));
+  throwError(ErrorKind::kUsage, "pycomm ", mine.op,
+             ": ranks made different calls (PYCOMM_CHECK): ", calls, n > 8 ? "; ..." : "");
+}
 
 ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size, GroupConfig config)
@@ -198,6 +246,7 @@ void ProcessGroupPycomm::workerLoop() {
     } else {
       try {
         comm_->begin(task.op, task.timeout);
+        if (config_.checkCalls && comm_->size() > 1) checkSameCall(*comm_, task.signature);
         task.body(*comm_);
       } catch (const std::exception& e) {
         const std::string message = e.what();
@@ -217,12 +266,13 @@ void ProcessGroupPycomm::workerLoop() {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpType type,
                                                            Tensors outputs, Body body,
-                                                           std::chrono::milliseconds timeout) {
+                                                           std::chrono::milliseconds timeout,
+                                                           CallSignature signature) {
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, op, std::move(outputs));
   {
     std::lock_guard<std::mutex> lock(queueMutex_);
     if (stopping_) usage(where(op) + "the process group was shut down");
-    queue_.push_back(Task{op, std::move(body), work, effectiveTimeout(timeout)});
+    queue_.push_back(Task{op, std::move(body), work, effectiveTimeout(timeout), signature});
   }
   queueCv_.notify_one();
   return work;
@@ -263,7 +313,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(Tensors& tensors,
                    c.setAlgorithm("tree");
                    broadcastTree(c, t.data_ptr(), t.nbytes(), root);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("broadcast", &t, -1, -1, root));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
@@ -284,7 +335,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
                    pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()), dtype, op,
                                      algorithm);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("allreduce", &t, -1, static_cast<int>(op)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
@@ -309,7 +361,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
                      offset += t.numel();
                    }
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("allreduce_coalesced", &tensors[0], totalNumel(tensors), static_cast<int>(op)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
@@ -329,7 +382,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
                    if (op == ReduceOp::kAvg && c.rank() == root)
                      divideBy(acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, c.size());
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("reduce", &t, -1, static_cast<int>(op), root));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
@@ -350,7 +404,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
                      std::memcpy(chunks[c.rank()], ptr(input), input.nbytes());
                    ringAllgather(c, chunks, std::vector<size_t>(outs.size(), input.nbytes()));
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("allgather", &input));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
@@ -368,7 +423,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
                      std::memmove(chunks[c.rank()], ptr(in), bytes);
                    ringAllgather(c, chunks, std::vector<size_t>(c.size(), bytes));
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("allgather_into_tensor", &input));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
@@ -401,7 +457,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
                      ringAllgather(c, chunks, std::vector<size_t>(lists.size(), bytes));
                    }
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature(op, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesced(
@@ -425,7 +482,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
                      ringAllgather(c, chunks, std::vector<size_t>(c.size(), bytes));
                    }
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature(op, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& outputs,
@@ -451,7 +509,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& 
                    for (const auto& o : outs) chunks.push_back(ptr(o));
                    gatherDirect(c, input.data_ptr(), input.nbytes(), chunks, root);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("gather", &input, -1, -1, root));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
@@ -477,7 +536,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
                    for (const auto& i : ins) chunks.push_back(ptr(i));
                    scatterDirect(c, chunks, output.data_ptr(), output.nbytes(), root);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("scatter", &output, -1, -1, root));
 }
 
 namespace {
@@ -531,7 +591,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
                    c.setAlgorithm("ring");
                    reduceScatterInto(c, ins, output, dtype, op);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("reduce_scatter", &output, -1, static_cast<int>(op)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
@@ -546,7 +607,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
                    c.setAlgorithm("ring");
                    reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature(name, &output, -1, static_cast<int>(op)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesced(
@@ -567,7 +629,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
                      reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
                                        kinds[i].first, kinds[i].second);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature(name, outputs.empty() ? nullptr : &outputs[0], totalNumel(outputs)));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
@@ -624,7 +687,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
                    }
                    alltoallPairwise(c, sends, sendBytes, recvs, recvBytes);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("alltoall", &input, -2));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Tensors& inputs,
@@ -656,12 +720,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
                    }
                    alltoallPairwise(c, sends, sendBytes, recvs, recvBytes);
                  },
-                 opts.timeout);
+                 opts.timeout,
+                 signature(name, &inputs[0], -2));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
   return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { barrierDissemination(c); },
-                 opts.timeout);
+                 opts.timeout,
+                 signature("barrier"));
 }
 
 // ------------------------------------------------------------ point to point

@@ -26,12 +26,25 @@
 
 namespace pycomm {
 
+// What one rank called, exchanged before each collective when checking is on
+// (PYCOMM_CHECK=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL) so a mismatch between ranks
+// fails clearly instead of producing a wrong result.
+struct CallSignature {
+  char op[40] = {};
+  int32_t dtype = -1;     // DataType, -1 when not compared
+  int32_t reduceOp = -1;  // ReduceOp, -1 when not compared
+  int64_t count = -1;     // elements this rank contributes, -1 when not compared
+  int32_t root = -1;
+  int32_t reserved = 0;
+};
+
 struct GroupConfig {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string bindAddress = "127.0.0.1";
   size_t segmentBytes = 256 * 1024;
   std::string algorithm = "auto";
   std::vector<int> globalRanks;
+  bool checkCalls = false;
 };
 
 class ProcessGroupPycomm : public c10d::Backend {
@@ -111,7 +124,10 @@ class ProcessGroupPycomm : public c10d::Backend {
   // Queues `body` for the worker; the returned work completes with `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         std::chrono::milliseconds timeout);
+                                         std::chrono::milliseconds timeout,
+                                         CallSignature signature);
+  // Compares this call's signature with every rank's; throws naming the ranks that differ.
+  void checkSameCall(Comm& comm, const CallSignature& mine);
   void workerLoop();
   void stopWorker();
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
@@ -125,6 +141,7 @@ class ProcessGroupPycomm : public c10d::Backend {
     Body body;
     c10::intrusive_ptr<PycommWork> work;
     std::chrono::milliseconds timeout;
+    CallSignature signature;
   };
 
   GroupConfig config_;

@@ -15,24 +15,42 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "common/error.h"
+#include "common/logging.h"
 #include "common/stats.h"
 
 namespace pycomm {
 namespace {
 
-constexpr uint32_t kDataMagic = 0x50434d44;   // "PCMD"
-constexpr uint32_t kHelloMagic = 0x50434d48;  // "PCMH"
 constexpr uint64_t kWakeId = ~0ull;
 
-struct Hello {
-  uint32_t magic;
-  int32_t rank;
-  int32_t size;
-  int32_t reserved;
-};
+std::string toHex(const uint8_t* data, size_t bytes) {
+  static const char digits[] = "0123456789abcdef";
+  std::string text;
+  for (size_t i = 0; i < bytes; ++i) {
+    text.push_back(digits[data[i] >> 4]);
+    text.push_back(digits[data[i] & 15]);
+  }
+  return text;
+}
+
+bool fromHex(const std::string& text, uint8_t* data, size_t bytes) {
+  if (text.size() != 2 * bytes) return false;
+  auto value = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < bytes; ++i) {
+    const int hi = value(text[2 * i]), lo = value(text[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    data[i] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  return true;
+}
 
 std::string errnoText(int err) { return std::strerror(err); }
 
@@ -149,6 +167,16 @@ TcpTransport::~TcpTransport() {
 
 void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) {
   const auto deadline = Clock::now() + options.connectTimeout;
+  // The job secret: rank 0 draws it, everyone reads it from the store, and a
+  // connection is accepted only from a peer that presents it.
+  const std::string secretKey = options.storePrefix + "secret";
+  if (rank_ == 0) {
+    std::random_device entropy;
+    for (size_t i = 0; i < kSecretBytes; ++i) secret_[i] = static_cast<uint8_t>(entropy());
+    store.set(secretKey, toHex(secret_, kSecretBytes));
+  } else if (!fromHex(store.get(secretKey), secret_, kSecretBytes)) {
+    throwError(ErrorKind::kConnection, "pycomm: the job secret in the store is malformed");
+  }
   sockaddr_storage address;
   socklen_t length = makeAddress(options.bindAddress, 0, address);
   listenFd_ = ::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -187,7 +215,8 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
                    rankName(peer), " at ", host, ":", peerPort, ": ", errnoText(err));
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    Hello hello{kHelloMagic, rank_, size_, 0};
+    Hello hello{kHelloMagic, kWireVersion, rank_, size_, {}};
+    std::memcpy(hello.secret, secret_, kSecretBytes);
     sendAll(fd, &hello, sizeof(hello), deadline);
     peers_[peer]->fd = fd;
   }
@@ -206,9 +235,12 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
     if (fd < 0) continue;
     Hello hello{};
     const auto helloDeadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
-    if (!recvAll(fd, &hello, sizeof(hello), helloDeadline) || hello.magic != kHelloMagic ||
-        hello.size != size_ || hello.rank <= rank_ || hello.rank >= size_ ||
-        peers_[hello.rank]->fd >= 0) {
+    std::string rejected = recvAll(fd, &hello, sizeof(hello), helloDeadline)
+                               ? checkHello(hello, rank_, size_, secret_)
+                               : "no complete hello within 5 s";
+    if (rejected.empty() && peers_[hello.rank]->fd >= 0) rejected = "a second connection for one rank";
+    if (!rejected.empty()) {
+      debugLog(strCat(rankName(rank_), " dropped an incoming connection: ", rejected));
       ::close(fd);
       continue;
     }
@@ -447,8 +479,9 @@ void TcpTransport::handleReadable(int peer) {
       p.headerGot += static_cast<size_t>(n);
       if (p.headerGot < sizeof(WireHeader)) continue;
       p.headerGot = 0;
-      if (p.header.magic != kDataMagic) {
-        failPeer(peer, "received a corrupt message header");
+      const std::string invalid = checkHeader(p.header);
+      if (!invalid.empty()) {
+        failPeer(peer, invalid);
         return;
       }
       ++p.messagesIn;
@@ -467,6 +500,12 @@ void TcpTransport::matchIncoming(int peer) {
   p.payloadBytes = p.header.bytes;
   p.payloadGot = 0;
   p.dst = nullptr;
+  if (p.header.flags & kFlagAbort) {  // not data: the peer says why it is leaving
+    p.readingAbort = true;
+    p.abortText.resize(p.payloadBytes);
+    p.dst = p.abortText.data();
+    return;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   auto take = [&](std::deque<PostedRecv>& list) {
     for (auto it = list.begin(); it != list.end(); ++it) {
@@ -496,6 +535,15 @@ void TcpTransport::matchIncoming(int peer) {
 void TcpTransport::finishIncoming(int peer) {
   Peer& p = *peers_[peer];
   p.inPayload = false;
+  if (p.readingAbort) {
+    p.readingAbort = false;
+    std::string reason = abortReasonText(p.abortText.data(), p.abortText.size());
+    // Drop the sender's "pycomm <op> (<algorithm>): " prefix; the receiver adds its own.
+    if (reason.rfind("pycomm", 0) == 0 && reason.find(": ") != std::string::npos)
+      reason = reason.substr(reason.find(": ") + 2);
+    failPeer(peer, strCat(rankName(peer), " aborted the group: ", reason), true);
+    return;
+  }
   RequestPtr request = std::move(p.recvRequest);
   std::shared_ptr<Unexpected> buffer = std::move(p.recvBuffer);
   std::string discardError = std::move(p.discardError);
@@ -535,7 +583,7 @@ void TcpTransport::finishIncoming(int peer) {
   }
 }
 
-void TcpTransport::failPeer(int peer, const std::string& reason) {
+void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessage) {
   Peer& p = *peers_[peer];
   std::vector<RequestPtr> failed;
   std::string message;
@@ -543,7 +591,8 @@ void TcpTransport::failPeer(int peer, const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     alreadyFailed = !p.failure.empty();
-    if (!alreadyFailed) p.failure = abortReason_.empty() ? lostMessage(peer, reason) : abortReason_;
+    if (!alreadyFailed)
+      p.failure = !abortReason_.empty() ? abortReason_ : fullMessage ? reason : lostMessage(peer, reason);
     message = p.failure;
     for (auto& posted : p.posted) failed.push_back(posted.request);
     p.posted.clear();
@@ -578,6 +627,28 @@ void TcpTransport::failPeer(int peer, const std::string& reason) {
     if (r) r->fail(message);
 }
 
+void TcpTransport::sendAbortNotices(const std::string& reason) {
+  const std::string text = reason.substr(0, kMaxAbortReasonBytes);
+  for (int i = 0; i < size_; ++i) {
+    if (i == rank_) continue;
+    Peer& p = *peers_[i];
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!p.failure.empty()) continue;  // it is gone, or told us it is leaving
+    }
+    std::lock_guard<std::mutex> lock(p.sendMutex);
+    // Only between messages: a notice inside a half-written payload would be garbage.
+    if (p.fd < 0 || (!p.sendQueue.empty() && p.sendQueue.front().written > 0)) continue;
+    WireHeader header{kDataMagic, kFlagAbort, 0, text.size()};
+    iovec iov[2] = {{&header, sizeof(header)}, {const_cast<char*>(text.data()), text.size()}};
+    msghdr message{};
+    message.msg_iov = iov;
+    message.msg_iovlen = 2;
+    ssize_t ignored = ::sendmsg(p.fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);  // best effort
+    (void)ignored;
+  }
+}
+
 void TcpTransport::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -590,6 +661,7 @@ void TcpTransport::abort(const std::string& reason) {
     if (std::this_thread::get_id() == ioThread_.get_id()) ioThread_.detach();
     else ioThread_.join();
   }
+  sendAbortNotices(abortReason_);
   std::vector<RequestPtr> failed;
   std::string message;
   {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "transport/transport.h"
+#include "transport/wire.h"
 
 namespace pycomm {
 
@@ -43,13 +44,6 @@ class TcpTransport : public Transport {
   std::string describePending(int peer) override;
   uint64_t bytesSent() const override { return bytesSent_; }
   uint64_t bytesReceived() const override { return bytesReceived_; }
-
-  struct WireHeader {
-    uint32_t magic;
-    uint32_t flags;
-    uint64_t tag;
-    uint64_t bytes;
-  };
 
  private:
   struct PostedRecv {
@@ -93,6 +87,8 @@ class TcpTransport : public Transport {
     RequestPtr recvRequest;                  // matched a posted receive
     std::shared_ptr<Unexpected> recvBuffer;  // or is being buffered
     std::string discardError;                // or is being discarded (size mismatch)
+    bool readingAbort = false;               // or is the peer's abort notice
+    std::string abortText;
     std::atomic<uint64_t> messagesIn{0};     // headers read from this peer
     std::atomic<uint64_t> messagesOut{0};    // messages fully written to it
   };
@@ -106,8 +102,12 @@ class TcpTransport : public Transport {
   // Writes what the socket accepts; returns an error text ("" if none).
   std::string flushSends(int peer, std::vector<RequestPtr>& done);
   void armWrite(int peer, bool on);
-  // Marks `peer` lost, fails what waits on it, and closes its socket.
-  void failPeer(int peer, const std::string& reason);
+  // Marks `peer` lost, fails what waits on it, and closes its socket. `reason`
+  // completes "rank R lost the connection to rank P (reason)" unless
+  // `fullMessage` says it is the whole message already.
+  void failPeer(int peer, const std::string& reason, bool fullMessage = false);
+  // Tells every connected peer why this rank is aborting (best effort).
+  void sendAbortNotices(const std::string& reason);
   void wake();
   std::string lostMessage(int peer, const std::string& reason) const;
 
@@ -123,6 +123,7 @@ class TcpTransport : public Transport {
   std::atomic<bool> stop_{false};
   std::thread ioThread_;
   std::vector<char> scratch_;
+  uint8_t secret_[kSecretBytes] = {};
   std::atomic<uint64_t> bytesSent_{0};
   std::atomic<uint64_t> bytesReceived_{0};
 };

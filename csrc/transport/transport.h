@@ -90,7 +90,7 @@ class Transport {
 
   // A short account of what is pending with `peer` (for timeout messages);
   // "" when there is nothing useful to say.
-  virtual std::string describePending(int peer) { return ""; }
+  virtual std::string describePending(int /*peer*/) { return ""; }
 
   // Payload bytes moved through this transport (for pycomm.stats()).
   virtual uint64_t bytesSent() const = 0;

@@ -1,0 +1,176 @@
+"""Failure behaviour: a rank SIGKILLed mid-collective, a rank that never joins,
+and ranks that disagree on a call. Survivors must raise (never hang), within the
+group timeout plus a few seconds, naming the rank at fault; afterwards the group
+says it is unusable and a new one works in the same process."""
+import datetime
+import multiprocessing
+import os
+import queue
+import signal
+import tempfile
+import time
+
+import pytest
+
+WAIT_LIMIT_S = 120  # hard wall-clock bound on every spawned run
+
+
+def _spawn(target, world, args, timeout_s=WAIT_LIMIT_S):
+    """Runs target(rank, world, q, *args) in `world` spawned processes; returns
+    {rank: result} of those that reported. Kills whatever is left at the deadline."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, q, *args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, value = q.get(timeout=0.5)
+            results[rank] = value
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return results
+
+
+def _kill_worker(rank, world, q, rdzv, rdzv_again):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=20)
+    dist.init_process_group("pycomm", init_method=rdzv, rank=rank, world_size=world, timeout=timeout)
+    pycomm.set_algorithm("ring")
+    t = torch.ones(4 << 20)  # 16 MiB: the kill lands mid-transfer
+    failure = None
+    for step in range(1000):
+        if rank == world - 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(t)
+        except Exception as e:  # noqa: BLE001
+            failure = (f"{type(e).__name__}: {e}", time.monotonic() - start)
+            break
+    if failure is None:
+        q.put((rank, {"error": None}))
+        return
+    result = {"error": failure[0], "seconds": failure[1]}
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as later:  # noqa: BLE001
+        result["later"] = str(later)
+    # A fresh group among the survivors, in this same process.
+    dist.destroy_process_group()
+    dist.init_process_group("pycomm", init_method=rdzv_again, rank=rank, world_size=world - 1,
+                            timeout=timeout)
+    x = torch.full((10,), float(rank + 1))
+    dist.all_reduce(x)
+    result["reinit_sum"] = x[0].item()
+    dist.destroy_process_group()
+    q.put((rank, result))
+
+
+def test_sigkill_mid_collective_names_the_lost_rank(tmp_path):
+    world = 3
+    results = _spawn(_kill_worker, world,
+                     (f"file://{tmp_path}/rdzv1", f"file://{tmp_path}/rdzv2"))
+    survivors = [r for r in range(world - 1)]
+    assert sorted(results) == survivors, f"survivors reported: {results}"
+    for rank in survivors:
+        res = results[rank]
+        assert res["error"] is not None, res
+        assert "DistBackendError" in res["error"], res
+        # Named directly, or through the survivor that saw it go first.
+        assert "rank 2" in res["error"], res["error"]
+        assert res["seconds"] < 20 + 5, res
+        assert "unusable" in res["later"], res["later"]
+        assert res["reinit_sum"] == 3.0, res
+
+
+def _never_joins_worker(rank, world, q, rdzv):
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401
+
+    if rank == 1:
+        time.sleep(25)  # never calls init_process_group within rank 0's timeout
+        q.put((rank, "slept"))
+        return
+    start = time.monotonic()
+    try:
+        dist.init_process_group("pycomm", init_method=rdzv, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=4))
+        q.put((rank, {"error": None}))
+    except Exception as e:  # noqa: BLE001
+        q.put((rank, {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}))
+
+
+def test_rank_that_never_joins_times_out_naming_it(tmp_path):
+    results = _spawn(_never_joins_worker, 2, (f"file://{tmp_path}/rdzv",), timeout_s=60)
+    res = results[0]
+    assert res["error"] is not None, res
+    assert "rank 1" in res["error"] and "timed out" in res["error"], res["error"]
+    assert 3.5 < res["seconds"] < 4 + 5, res
+
+
+def _mismatch_worker(rank, world, q, rdzv, check):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401
+
+    if check:
+        os.environ["PYCOMM_CHECK"] = "1"
+    dist.init_process_group("pycomm", init_method=rdzv, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=10))
+    # Same byte count, different dtype: without a check this is a silent wrong result.
+    t = torch.ones(1000, dtype=torch.float32 if rank == 0 else torch.int32)
+    try:
+        dist.all_reduce(t)
+        outcome = {"error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error": f"{type(e).__name__}: {e}"}
+    q.put((rank, outcome))
+
+
+def test_dtype_mismatch_is_caught_with_pycomm_check(tmp_path):
+    results = _spawn(_mismatch_worker, 2, (f"file://{tmp_path}/rdzv", True), timeout_s=60)
+    for rank in (0, 1):
+        error = results[rank]["error"]
+        assert error is not None and "DistBackendError" in error, results
+        assert "ranks made different calls" in error, error
+        assert "float32 x1000 SUM" in error and "int32 x1000 SUM" in error, error
+
+
+def _size_mismatch_worker(rank, world, q, rdzv):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+
+    dist.init_process_group("pycomm", init_method=rdzv, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=10))
+    pycomm.set_algorithm("tree")
+    t = torch.ones(1000 if rank == 0 else 1001)
+    try:
+        dist.all_reduce(t)
+        outcome = {"error": None}
+    except Exception as e:  # noqa: BLE001
+        outcome = {"error": f"{type(e).__name__}: {e}"}
+    q.put((rank, outcome))
+
+
+def test_size_mismatch_is_an_error_even_without_check(tmp_path):
+    results = _spawn(_size_mismatch_worker, 2, (f"file://{tmp_path}/rdzv",), timeout_s=60)
+    errors = [results[r]["error"] for r in (0, 1)]
+    assert all(e is not None for e in errors), results
+    assert any("sent 4004 bytes where 4000 were expected" in e for e in errors), errors
