@@ -124,7 +124,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   // Queues `body` for the worker; the returned work completes with `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         std::chrono::milliseconds timeout,
+                                         std::chrono::milliseconds timeout, bool asyncOp,
                                          CallSignature signature);
   // Compares this call's signature with every rank's; throws naming the ranks that differ.
   void checkSameCall(Comm& comm, const CallSignature& mine);
@@ -143,6 +143,8 @@ class ProcessGroupPycomm : public c10d::Backend {
     std::chrono::milliseconds timeout;
     CallSignature signature;
   };
+  // Runs one task to completion (worker thread, or the caller for an inline call).
+  void runTask(Task& task);
 
   GroupConfig config_;
   std::shared_ptr<GroupState> group_;
@@ -154,6 +156,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
   bool stopping_ = false;
+  bool busy_ = false;  // a task is running (on the worker or inline on a caller)
   std::thread worker_;
 };
 
