@@ -95,7 +95,25 @@ class WorkerContext:
         os._exit(0)
 
 
-def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env):
+def _netns_child(netns, blob, rank, world_size, backend, q, *rest):
+    """Entry point of a rank that runs in network namespace ``netns``: enter it
+    before anything else (``fn`` and ``args`` arrive pickled so that their
+    modules, which may import torch, load only after setns)."""
+    try:
+        from netns_util import enter_netns
+
+        enter_netns(netns)
+    except BaseException:
+        q.put(("error", rank, f"entering network namespace {netns!r} failed:\n" + traceback.format_exc()))
+        q.close()
+        q.join_thread()
+        os._exit(1)
+    fn, args = pickle.loads(blob)
+    _child(rank, world_size, backend, fn, args, q, *rest)
+
+
+def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env,
+           master_addr="127.0.0.1"):
     os.environ.update(env)
     dist = None
     try:
@@ -111,9 +129,9 @@ def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeou
         if init == "file":
             kwargs["init_method"] = "file://" + os.path.join(tmpdir, "rdzv_main")
         elif init == "tcp":
-            kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
+            kwargs["init_method"] = f"tcp://{master_addr}:{port}"
         elif init == "env":
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_ADDR"] = master_addr
             os.environ["MASTER_PORT"] = str(port)
             kwargs["init_method"] = "env://"
         else:
@@ -199,11 +217,19 @@ def spawn_run(
     init: str = "file",
     make_ref: bool = True,
     env: dict | None = None,
+    netns: list | None = None,
+    master_addr: str = "127.0.0.1",
+    rank_env: list | None = None,
 ) -> RunResult:
     """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
     longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
     (partial on failure); use ``.check()`` or ``run_multiprocess`` to fail
-    the test on any error, crash or hang."""
+    the test on any error, crash or hang.
+
+    Multi-host runs (see netns_util.py): ``netns[rank]`` names the network
+    namespace rank ``rank`` enters first thing (None: stay); ``master_addr``
+    is the rendezvous host for init="tcp"/"env" (rank 0 must be able to
+    listen there); ``rank_env[rank]`` adds per-rank environment variables."""
     mp = multiprocessing.get_context("spawn")
     q = mp.Queue()
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
@@ -212,9 +238,16 @@ def spawn_run(
     procs = []
     start = time.monotonic()
     for rank in range(world_size):
+        rest = (tmpdir, init, port, pg_timeout_s, make_ref,
+                dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}), master_addr)
+        ns = netns[rank] if netns else None
+        if ns is None:
+            target, pargs = _child, (rank, world_size, backend, fn, args, q, *rest)
+        else:
+            target, pargs = _netns_child, (ns, pickle.dumps((fn, args)), rank, world_size, backend, q, *rest)
         p = mp.Process(
-            target=_child,
-            args=(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env),
+            target=target,
+            args=pargs,
             name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
             daemon=True,
         )
