@@ -1,6 +1,8 @@
 """Registration of the "pycomm" torch.distributed backend and per-group controls."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,13 @@ def _timeout_seconds(timeout) -> float:
     return float(timeout)
 
 
+def _store_prefix() -> str:
+    # torchrun lets every restart attempt share the agent's store, where the failed
+    # attempt's keys remain: keep each attempt's keys apart.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"pycomm/attempt{attempt}/"
+
+
 def _create_backend(dist_opts, backend_options=None):
     config = load_config()
     return _C.ProcessGroupPycomm(
@@ -37,6 +46,7 @@ def _create_backend(dist_opts, backend_options=None):
         algorithm=config.algorithm,
         global_ranks=[int(r) for r in dist_opts.global_ranks_in_group],
         check_calls=config.check_calls,
+        store_prefix=_store_prefix(),
     )
 
 

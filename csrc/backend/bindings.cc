@@ -139,7 +139,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        double timeoutSeconds, const std::string& bindAddress, size_t segmentBytes,
                        const std::string& algorithm, std::vector<int> globalRanks,
-                       bool checkCalls) {
+                       bool checkCalls, const std::string& storePrefix) {
              pycomm::GroupConfig config;
              config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
              config.bindAddress = bindAddress;
@@ -147,11 +147,13 @@ PYBIND11_MODULE(_C, m) {
              config.algorithm = algorithm;
              config.globalRanks = std::move(globalRanks);
              config.checkCalls = checkCalls;
+             config.storePrefix = storePrefix;
              return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
            py::arg("bind_address"), py::arg("segment_bytes"), py::arg("algorithm"),
            py::arg("global_ranks"), py::arg("check_calls") = false,
+           py::arg("store_prefix") = "pycomm/",
            py::call_guard<py::gil_scoped_release>())
       .def("set_algorithm", &ProcessGroupPycomm::setAlgorithm, py::arg("name"))
       .def("get_algorithm", &ProcessGroupPycomm::algorithm)

@@ -158,7 +158,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
   TcpOptions options;
   options.bindAddress = config_.bindAddress;
   options.connectTimeout = config_.timeout;
-  options.storePrefix = "pycomm/";
+  options.storePrefix = config_.storePrefix;
   std::shared_ptr<Transport> transport;
   try {
     transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);

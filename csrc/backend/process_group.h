@@ -45,6 +45,9 @@ struct GroupConfig {
   std::string algorithm = "auto";
   std::vector<int> globalRanks;
   bool checkCalls = false;
+  // Prefix of pycomm's keys in torch's store; differs per torchrun restart so a new
+  // attempt never reads the addresses the failed one left behind.
+  std::string storePrefix = "pycomm/";
 };
 
 class ProcessGroupPycomm : public c10d::Backend {

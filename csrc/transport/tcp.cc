@@ -161,8 +161,6 @@ TcpTransport::TcpTransport(int rank, int size, KeyValueStore& store, const TcpOp
 TcpTransport::~TcpTransport() {
   abort("the process group was destroyed");
   if (listenFd_ >= 0) ::close(listenFd_);
-  ::close(epollFd_);
-  ::close(wakeFd_);
 }
 
 void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) {
@@ -256,6 +254,8 @@ std::string TcpTransport::lostMessage(int peer, const std::string& reason) const
 }
 
 void TcpTransport::wake() {
+  std::lock_guard<std::mutex> lock(mutex_);  // abort() closes wakeFd_ under it
+  if (wakeFd_ < 0) return;
   uint64_t one = 1;
   ssize_t ignored = ::write(wakeFd_, &one, sizeof(one));
   (void)ignored;
@@ -690,6 +690,16 @@ void TcpTransport::abort(const std::string& reason) {
     if (p.fd >= 0) {
       ::close(p.fd);
       p.fd = -1;
+    }
+  }
+  // Nothing polls any more: release the epoll and wake descriptors now, not when
+  // the last Work holding this transport goes away.
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (epollFd_ >= 0 && !ioThread_.joinable()) {
+      ::close(epollFd_);
+      ::close(wakeFd_);
+      epollFd_ = wakeFd_ = -1;
     }
   }
   for (auto& r : failed)
