@@ -39,7 +39,7 @@ _REFERENCE_ATOL = 1e-4
 class DemoConfig:
     """Settings of the training part; picklable, so it travels to the workers."""
 
-    steps: int = 50
+    steps: int = 100
     backend: str = "pycomm"
     reference: Optional[str] = "gloo"
     task: str = "digits-mlp"
@@ -140,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("-n", "--nprocs", type=int, default=2,
                         help="ranks to spawn on this host (ignored under torchrun)")
-    parser.add_argument("--steps", type=int, default=50, help="training steps")
+    parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--backend", default="pycomm",
                         help="backend to demonstrate (gloo runs the same demo as a baseline)")
     parser.add_argument("--no-bench", dest="bench", action="store_false",

@@ -1,0 +1,33 @@
+"""pycomm.train: a small trainer around DistributedDataParallel on the pycomm backend.
+
+Strategies: synchronous data parallel with any DDP comm hook, local SGD, EASGD.
+Checkpoint / resume, JSON-lines metrics, a progress bar, plots, and the
+``pycomm-train`` command (``python -m pycomm.train``). See docs/training.md.
+
+Inside an initialised process group::
+
+    from pycomm.train import TrainConfig, Trainer
+    result = Trainer(TrainConfig(task="digits-mlp", strategy="local_sgd")).fit()
+"""
+
+from .config import ConfigError, TrainConfig
+from .strategies import (EASGDStrategy, LocalSGDStrategy, Strategy, SyncStrategy, allreduce_hook,
+                         register_hook, resolve_hook)
+from .tasks import TASKS, get_task
+from .trainer import Trainer, train
+
+__all__ = [
+    "ConfigError",
+    "EASGDStrategy",
+    "LocalSGDStrategy",
+    "Strategy",
+    "SyncStrategy",
+    "TASKS",
+    "TrainConfig",
+    "Trainer",
+    "allreduce_hook",
+    "get_task",
+    "register_hook",
+    "resolve_hook",
+    "train",
+]

@@ -1,0 +1,125 @@
+"""Checkpoint files: written atomically by one rank, found again after a restart.
+
+A checkpoint is one ``torch.save`` file ``<dir>/step_<N>.pt`` holding the job-wide state
+(step, sampler position, scheduler, the strategy's shared state such as the EASGD
+centre) and a list with one entry per rank (model, optimizer, RNG states, hook state).
+Rank 0 writes it to a temporary file in the same directory, flushes it to disk and
+renames it into place, then replaces ``<dir>/latest`` (a one-line text file naming the
+newest checkpoint) the same way. A crash at any moment leaves either the old or the new
+checkpoint, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["atomic_save", "atomic_write_text", "checkpoint_path", "find_checkpoint", "rng_state",
+           "set_rng_state", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+_PREFIX = "pycomm train:"
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic(path: str, write) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` through a temporary file + rename."""
+    _atomic(path, lambda handle: torch.save(obj, handle))
+
+
+def atomic_write_text(text: str, path: str) -> None:
+    _atomic(path, lambda handle: handle.write(text.encode()))
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:08d}.pt")
+
+
+def find_checkpoint(spec: str, directory: Optional[str] = None) -> Optional[str]:
+    """Resolve ``spec`` (a file, a directory, or ``"auto"`` meaning ``directory``) to a
+    checkpoint file. ``"auto"`` with no checkpoint yet gives None (a fresh start); a
+    named file or directory that holds none is an error."""
+    if spec == "auto":
+        if not directory:
+            raise ValueError(f"{_PREFIX} resume: auto needs checkpoint_dir")
+        return _latest_in(directory)
+    if os.path.isdir(spec):
+        found = _latest_in(spec)
+        if found is None:
+            raise FileNotFoundError(f"{_PREFIX} no checkpoint in {spec} (no 'latest' file)")
+        return found
+    if not os.path.isfile(spec):
+        raise FileNotFoundError(f"{_PREFIX} checkpoint {spec} does not exist")
+    return spec
+
+
+def _latest_in(directory: str) -> Optional[str]:
+    pointer = os.path.join(directory, "latest")
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as handle:
+        name = handle.read().strip()
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{_PREFIX} {pointer} names {name}, which does not exist")
+    return path
+
+
+def rng_state() -> Dict[str, Any]:
+    """Every random generator the trainer touches (torch CPU/CUDA, Python, NumPy)."""
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,150 @@
+"""Configuration of a training run: one dataclass, filled from defaults, a YAML file and flags.
+
+Precedence: built-in defaults < YAML file (``--config run.yaml``) < command-line flags.
+Every key of the YAML file is a field of :class:`TrainConfig` (unknown keys are an error,
+so a typo never silently falls back to a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Optional
+
+__all__ = ["TrainConfig", "ConfigError", "load_yaml", "STRATEGIES", "PRECISIONS", "SCHEDULES",
+           "OPTIMIZERS"]
+
+STRATEGIES = ("sync", "local_sgd", "easgd")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("constant", "cosine", "step")
+OPTIMIZERS = ("sgd", "adamw")
+
+_PREFIX = "pycomm train:"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message starts with ``pycomm train:``."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs; picklable, so it travels to spawned ranks."""
+
+    # what to train
+    task: str = "digits-mlp"            # digits-mlp, digits-cnn, tinylm
+    dropout: Optional[float] = None      # None: the task's default
+    # how ranks communicate
+    strategy: str = "sync"               # sync, local_sgd, easgd
+    hook: str = "allreduce"              # sync / warm-up comm hook: allreduce, fp16, bf16, or pkg.mod:attr
+    local_sgd_period: int = 4            # H: average the models every H optimizer steps
+    local_sgd_warmup: int = 0            # synchronous steps before local SGD starts
+    easgd_period: int = 4                # tau: elastic update every tau steps
+    easgd_alpha: Optional[float] = None  # moving rate; None: 0.9 / world_size (beta = 0.9)
+    backend: str = "pycomm"
+    algorithm: Optional[str] = None      # pycomm all-reduce algorithm (auto, ring, tree, sharded)
+    timeout_s: float = 120.0
+    # optimisation
+    steps: int = 200                     # optimizer steps (ignored when epochs is set)
+    epochs: Optional[int] = None
+    batch_size: int = 32                 # per rank and micro-step
+    accum_steps: int = 1                 # micro-steps per optimizer step (no_sync on all but the last)
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    clip_grad_norm: Optional[float] = None
+    precision: str = "fp32"              # fp32; bf16 (autocast; CPU and CUDA); fp16 (CUDA, grad scaler)
+    device: str = "cpu"                  # cpu or cuda (cuda needs a backend that takes CUDA tensors)
+    seed: int = 0
+    rank_seeds: bool = False             # initialise each rank's model from seed + rank (DDP broadcasts rank 0's)
+    # observability
+    eval_every: int = 0                  # 0: evaluate only at the end
+    log_file: Optional[str] = None       # JSON lines, written by rank 0
+    progress: bool = True                # tqdm progress bar on rank 0
+    run_name: Optional[str] = None
+    # checkpoints
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0            # 0: only at the end (when checkpoint_dir is set)
+    resume: Optional[str] = None         # a checkpoint file, a directory, or "auto" (latest in checkpoint_dir)
+    # testing the failure path: raise on the last rank at this step (first attempt only)
+    fail_at_step: Optional[int] = None
+
+    # -- construction -------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        values = {str(k).replace("-", "_"): v for k, v in values.items()}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(f"{_PREFIX} unknown key(s) {', '.join(map(repr, unknown))} in {source} "
+                              f"(known: {', '.join(sorted(names))})")
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- checks -----------------------------------------------------------------
+    def validate(self) -> None:
+        def bad(message: str) -> ConfigError:
+            return ConfigError(f"{_PREFIX} {message}")
+
+        if self.strategy not in STRATEGIES:
+            raise bad(f"strategy must be one of {', '.join(STRATEGIES)} (got {self.strategy!r})")
+        if self.precision not in PRECISIONS:
+            raise bad(f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
+        if self.schedule not in SCHEDULES:
+            raise bad(f"schedule must be one of {', '.join(SCHEDULES)} (got {self.schedule!r})")
+        if self.optimizer not in OPTIMIZERS:
+            raise bad(f"optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r})")
+        if self.device not in ("cpu", "cuda"):
+            raise bad(f"device must be cpu or cuda (got {self.device!r})")
+        if self.precision == "fp16" and self.device != "cuda":
+            raise bad("precision fp16 needs device cuda (on CPU use bf16)")
+        for name in ("steps", "batch_size", "accum_steps", "local_sgd_period", "easgd_period"):
+            if int(getattr(self, name)) < 1:
+                raise bad(f"{name} must be at least 1 (got {getattr(self, name)})")
+        for name in ("local_sgd_warmup", "warmup_steps", "eval_every", "checkpoint_every"):
+            if int(getattr(self, name)) < 0:
+                raise bad(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if self.epochs is not None and self.epochs < 1:
+            raise bad(f"epochs must be at least 1 (got {self.epochs})")
+        if self.lr <= 0:
+            raise bad(f"lr must be positive (got {self.lr})")
+        if self.easgd_alpha is not None and not 0.0 <= self.easgd_alpha <= 1.0:
+            raise bad(f"easgd_alpha must be in [0, 1] (got {self.easgd_alpha})")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise bad(f"dropout must be in [0, 1) (got {self.dropout})")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise bad(f"clip_grad_norm must be positive (got {self.clip_grad_norm})")
+        if self.timeout_s <= 0:
+            raise bad(f"timeout_s must be positive (got {self.timeout_s})")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise bad("checkpoint_every needs checkpoint_dir")
+        if self.resume == "auto" and not self.checkpoint_dir:
+            raise bad("resume: auto needs checkpoint_dir")
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    """The mapping stored in a YAML file (keys as in :class:`TrainConfig`)."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ConfigError(f"{_PREFIX} cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{_PREFIX} {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_PREFIX} {path} must hold a mapping of settings, not {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

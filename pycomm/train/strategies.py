@@ -1,0 +1,407 @@
+"""Communication strategies: how the ranks of a data-parallel run keep their models in step.
+
+Each strategy wraps the model in ``DistributedDataParallel`` (which broadcasts rank 0's
+parameters at construction) and tells the trainer two things per optimizer step:
+
+* :meth:`Strategy.sync_gradients` -- whether DDP all-reduces the gradients of this step
+  (the trainer runs the backward under ``no_sync()`` otherwise);
+* :meth:`Strategy.after_step` -- what to do with the parameters after ``optimizer.step()``.
+
+Strategies:
+
+``sync``       (:class:`SyncStrategy`) synchronous data parallel: every step averages the
+               gradients through a DDP comm hook (dense ``allreduce_hook``, torch's fp16 /
+               bf16 compress hooks, or any hook registered with :func:`register_hook` or
+               named as ``package.module:attribute``).
+``local_sgd``  (:class:`LocalSGDStrategy`) Lin et al. 2018: after an optional warm-up of
+               synchronous steps, each rank steps on its own gradients and the models are
+               averaged every H steps.
+``easgd``      (:class:`EASGDStrategy`) synchronous elastic averaging SGD (Zhang,
+               Choromanska, LeCun 2015): every tau steps each worker moves towards a centre
+               variable, and the centre towards the workers' mean, by the moving rate alpha.
+               The centre is stored sharded: rank r owns 1/n of it.
+
+Comm hooks: anything usable as ``ddp.register_comm_hook(state, hook)``. A hook is
+registered under a name with a *state factory* ``factory(process_group) -> state``; if
+the state has ``state_dict()`` / ``load_state_dict()`` it is saved in checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "allreduce_hook",
+    "register_hook",
+    "resolve_hook",
+    "hook_names",
+    "Strategy",
+    "SyncStrategy",
+    "LocalSGDStrategy",
+    "EASGDStrategy",
+    "build_strategy",
+    "flat_parameters",
+]
+
+_PREFIX = "pycomm train:"
+
+
+# ---------------------------------------------------------------------------
+# comm hooks
+# ---------------------------------------------------------------------------
+
+def allreduce_hook(state: Optional[dist.ProcessGroup], bucket):  # returns Future[Tensor]
+    """Dense gradient averaging: one asynchronous all-reduce (SUM) of the bucket, divided by
+    the group size when it completes. ``state`` is the process group (None: default)."""
+    world = dist.get_world_size(state)
+    buffer = bucket.buffer()
+    future = dist.all_reduce(buffer, group=state, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0].div_(world))
+
+
+def _group_state(group):
+    return group
+
+
+_HOOKS: Dict[str, "tuple[Callable, Callable]"] = {}
+
+
+def register_hook(name: str, hook: Callable, state_factory: Callable[[Any], Any] = _group_state) -> None:
+    """Make ``hook`` selectable as ``--hook name``; ``state_factory(process_group)`` builds its state."""
+    if not callable(hook) or not callable(state_factory):
+        raise TypeError(f"{_PREFIX} register_hook({name!r}): hook and state_factory must be callable")
+    _HOOKS[name] = (hook, state_factory)
+
+
+def hook_names() -> "tuple[str, ...]":
+    return tuple(sorted(_HOOKS))
+
+
+def _register_builtin_hooks() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    register_hook("allreduce", allreduce_hook)
+    register_hook("fp16", default_hooks.fp16_compress_hook)
+    register_hook("bf16", default_hooks.bf16_compress_hook)
+    # A later pycomm.hooks module may register more (top-k, quantized) when imported.
+    try:
+        hooks_module = importlib.import_module("pycomm.hooks")
+    except ImportError:
+        return
+    for attr in getattr(hooks_module, "__all__", ()):
+        value = getattr(hooks_module, attr, None)
+        if attr.endswith("_hook") and callable(value) and attr[: -len("_hook")] not in _HOOKS:
+            state_cls = getattr(hooks_module, _state_class_name(attr), None)
+            register_hook(attr[: -len("_hook")], value,
+                          (lambda group, cls=state_cls: cls(group)) if state_cls else _group_state)
+
+
+def _state_class_name(hook_attr: str) -> str:
+    return "".join(word.capitalize() for word in hook_attr[: -len("_hook")].split("_")) + "State"
+
+
+def resolve_hook(spec: Any, group=None) -> "tuple[Callable, Any]":
+    """``(hook, state)`` for a registered name, a ``package.module:attribute`` path, or a callable."""
+    if not _HOOKS:
+        _register_builtin_hooks()
+    if callable(spec):
+        return spec, group
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"{_PREFIX} hook must be a name or a callable (got {spec!r})")
+    if spec in _HOOKS:
+        hook, factory = _HOOKS[spec]
+        return hook, factory(group)
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            hook = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"{_PREFIX} cannot import hook {spec!r}: {exc}") from None
+        if not callable(hook):
+            raise ValueError(f"{_PREFIX} hook {spec!r} is not callable")
+        return hook, group
+    raise ValueError(f"{_PREFIX} unknown hook {spec!r} (choose from {', '.join(hook_names())}, "
+                     f"or give package.module:attribute)")
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    """All parameters of ``module`` in one new 1-D tensor (float32 copies)."""
+    return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+
+def _assign_flat(module: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in module.parameters():
+            n = p.numel()
+            p.copy_(flat[offset: offset + n].view_as(p))
+            offset += n
+
+
+# torch >= 2.12 names them *_single; older versions only have *_into_tensor / *_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Timer:
+    """Wall time spent in a strategy's blocking communication."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------
+
+class Strategy:
+    """Base class: synchronous gradients every step, no parameter communication."""
+
+    name = "base"
+    per_rank_models = False  # do ranks' models differ between synchronisation points?
+
+    def __init__(self, group=None, control_group=None, hook: Any = "allreduce"):
+        self.group = group
+        self.control_group = control_group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.hook_spec = hook
+        self.hook, self.hook_state = resolve_hook(hook, group)
+        self.ddp: Optional[DistributedDataParallel] = None
+        self.comm_timer = _Timer()
+
+    def wrap(self, model: nn.Module, device_ids=None) -> DistributedDataParallel:
+        self.ddp = DistributedDataParallel(model, process_group=self.group, device_ids=device_ids,
+                                           forward_sync_buffers=False)
+        self.ddp.register_comm_hook(self.hook_state, self.hook)
+        return self.ddp
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ddp.module
+
+    def sync_gradients(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based) all-reduces gradients."""
+        return True
+
+    def after_step(self, step: int) -> None:
+        """Called after optimizer step ``step`` (1-based count of completed steps)."""
+
+    def finish(self, step: int) -> None:
+        """End of training: leave every rank with the consensus model where that is cheap."""
+
+    def consensus_model(self) -> nn.Module:
+        """The model to evaluate (collective: every rank calls it)."""
+        return self.module
+
+    def worker_distance(self) -> Optional[float]:
+        """Collective: max over ranks of ||x_rank - consensus|| (None if not meaningful)."""
+        return None
+
+    # -- checkpoint state ------------------------------------------------------
+    def rank_state(self) -> Dict[str, Any]:
+        """This rank's strategy state (saved per rank)."""
+        state = {}
+        if hasattr(self.hook_state, "state_dict"):
+            state["hook_state"] = self.hook_state.state_dict()
+        return state
+
+    def load_rank_state(self, state: Dict[str, Any]) -> None:
+        if "hook_state" in state and hasattr(self.hook_state, "load_state_dict"):
+            self.hook_state.load_state_dict(state["hook_state"])
+
+    def shared_state(self) -> Dict[str, Any]:
+        """Collective: state that is one for the whole job (returned complete on every rank)."""
+        return {}
+
+    def load_shared_state(self, state: Dict[str, Any]) -> None:
+        pass
+
+
+class SyncStrategy(Strategy):
+    """Synchronous data parallel through a DDP comm hook."""
+
+    name = "sync"
+
+
+class LocalSGDStrategy(Strategy):
+    """Local SGD (Lin et al. 2018): local steps, model averaging every ``period`` steps after
+    ``warmup`` synchronous steps."""
+
+    name = "local_sgd"
+    per_rank_models = True
+
+    def __init__(self, group=None, control_group=None, hook: Any = "allreduce", period: int = 4,
+                 warmup: int = 0):
+        super().__init__(group, control_group, hook)
+        self.period = int(period)
+        self.warmup = int(warmup)
+        self._last_average = 0
+
+    def sync_gradients(self, step: int) -> bool:
+        return step < self.warmup
+
+    def after_step(self, step: int) -> None:
+        if step > self.warmup and (step - self.warmup) % self.period == 0:
+            self.average()
+            self._last_average = step
+        elif step <= self.warmup:
+            self._last_average = step
+
+    def average(self) -> None:
+        """Replace every rank's parameters by their mean over ranks (one all-reduce)."""
+        flat = flat_parameters(self.module)
+        with self.comm_timer():
+            dist.all_reduce(flat, group=self.group)
+        _assign_flat(self.module, flat.div_(self.world_size))
+
+    def finish(self, step: int) -> None:
+        if self._last_average != step:
+            self.average()
+            self._last_average = step
+
+    def consensus_model(self) -> nn.Module:
+        import copy
+
+        flat = flat_parameters(self.module).cpu()
+        dist.all_reduce(flat, group=self.control_group)
+        model = copy.deepcopy(self.module)
+        _assign_flat(model, flat.div_(self.world_size))
+        return model
+
+    def worker_distance(self) -> float:
+        consensus = flat_parameters(self.consensus_model()).cpu()
+        distance = torch.tensor([float((flat_parameters(self.module).cpu() - consensus).norm())])
+        dist.all_reduce(distance, op=dist.ReduceOp.MAX, group=self.control_group)
+        return float(distance)
+
+    def rank_state(self) -> Dict[str, Any]:
+        state = super().rank_state()
+        state["last_average"] = self._last_average
+        return state
+
+    def load_rank_state(self, state: Dict[str, Any]) -> None:
+        super().load_rank_state(state)
+        self._last_average = int(state.get("last_average", 0))
+
+
+class EASGDStrategy(Strategy):
+    """Synchronous EASGD with the centre variable sharded across ranks.
+
+    Every ``period`` steps, with x_i the worker parameters and c the centre (both taken
+    before the update, as in the paper's synchronous rule)::
+
+        x_i <- x_i - alpha (x_i - c)
+        c   <- c + alpha sum_i (x_i - c)        (beta = n alpha)
+
+    Rank r stores only shard r of c. One update costs an all-gather of the centre and a
+    reduce-scatter of the workers' parameters: the bytes of one ring all-reduce.
+    """
+
+    name = "easgd"
+    per_rank_models = True
+
+    def __init__(self, group=None, control_group=None, hook: Any = "allreduce", period: int = 4,
+                 alpha: Optional[float] = None):
+        super().__init__(group, control_group, hook)
+        self.period = int(period)
+        self.alpha = 0.9 / self.world_size if alpha is None else float(alpha)
+        self.numel = 0
+        self.shard_numel = 0
+        self.centre_shard: Optional[torch.Tensor] = None
+
+    def wrap(self, model: nn.Module, device_ids=None) -> DistributedDataParallel:
+        ddp = super().wrap(model, device_ids)
+        self._init_centre(flat_parameters(self.module))  # after DDP's broadcast: rank 0's weights
+        return ddp
+
+    def _init_centre(self, full: torch.Tensor) -> None:
+        self.numel = full.numel()
+        self.shard_numel = -(-self.numel // self.world_size)
+        padded = full.new_zeros(self.shard_numel * self.world_size)
+        padded[: self.numel] = full
+        start = self.rank * self.shard_numel
+        self.centre_shard = padded[start: start + self.shard_numel].clone()
+
+    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
+        padded = flat.new_zeros(self.shard_numel * self.world_size)
+        padded[: self.numel] = flat
+        return padded
+
+    def gather_centre(self, group=None) -> torch.Tensor:
+        """Collective: the full centre on every rank (on the CPU when gathered over the gloo
+        control group)."""
+        group = self.group if group is None else group
+        shard = self.centre_shard if group is self.group else self.centre_shard.cpu()
+        full = shard.new_empty(self.shard_numel * self.world_size)
+        _all_gather_single(full, shard, group=group)
+        return full[: self.numel]
+
+    def sync_gradients(self, step: int) -> bool:
+        return False
+
+    def after_step(self, step: int) -> None:
+        if step % self.period == 0:
+            self.elastic_update()
+
+    def elastic_update(self) -> None:
+        x = self._padded(flat_parameters(self.module))
+        summed = x.new_empty(self.shard_numel)
+        with self.comm_timer():
+            centre = self.gather_centre()
+            _reduce_scatter_single(summed, x, op=dist.ReduceOp.SUM, group=self.group)
+        # centre shard: c += alpha * sum_i (x_i - c)
+        self.centre_shard += self.alpha * (summed - self.world_size * self.centre_shard)
+        x = x[: self.numel]
+        _assign_flat(self.module, x - self.alpha * (x - centre))
+
+    def consensus_model(self) -> nn.Module:
+        import copy
+
+        model = copy.deepcopy(self.module)
+        _assign_flat(model, self.gather_centre(self.control_group))
+        return model
+
+    def worker_distance(self) -> float:
+        centre = self.gather_centre(self.control_group)
+        distance = torch.tensor([float((flat_parameters(self.module).cpu() - centre).norm())])
+        dist.all_reduce(distance, op=dist.ReduceOp.MAX, group=self.control_group)
+        return float(distance)
+
+    def shared_state(self) -> Dict[str, Any]:
+        return {"centre": self.gather_centre(self.control_group).clone(), "alpha": self.alpha}
+
+    def load_shared_state(self, state: Dict[str, Any]) -> None:
+        if "centre" in state:
+            self._init_centre(state["centre"].to(next(self.module.parameters()).device))
+
+
+def build_strategy(cfg, group=None, control_group=None) -> Strategy:
+    """The strategy named by ``cfg.strategy`` (a :class:`~pycomm.train.config.TrainConfig`)."""
+    if cfg.strategy == "sync":
+        return SyncStrategy(group, control_group, cfg.hook)
+    if cfg.strategy == "local_sgd":
+        return LocalSGDStrategy(group, control_group, cfg.hook, cfg.local_sgd_period, cfg.local_sgd_warmup)
+    if cfg.strategy == "easgd":
+        return EASGDStrategy(group, control_group, cfg.hook, cfg.easgd_period, cfg.easgd_alpha)
+    raise ValueError(f"{_PREFIX} unknown strategy {cfg.strategy!r}")

@@ -1,0 +1,206 @@
+"""Built-in tasks that need no download.
+
+A task is data (in-memory tensors, identical on every rank) plus a model factory, a
+loss and a metric:
+
+* ``digits-mlp`` / ``digits-cnn``: scikit-learn's 8x8 handwritten digits (1797 images,
+  10 classes; shipped inside scikit-learn), a fixed 1500 / 297 train / test split.
+* ``tinylm``: a character-level Transformer language model on English-like text
+  generated from a small grammar with a fixed seed (:func:`generate_text`); the
+  metric is next-character accuracy.
+
+Tasks are deterministic: every rank builds the same data from the same seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import random
+from typing import Callable, Dict, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["Task", "TASKS", "get_task", "generate_text", "TinyTransformerLM"]
+
+_PREFIX = "pycomm train:"
+_DATA_SEED = 1234  # the train/test split and the generated text never depend on the run's seed
+
+
+@dataclasses.dataclass
+class Task:
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    make_model: Callable[[int], nn.Module]   # seed -> model
+    metric: str = "accuracy"
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (per sample for the classifiers, per position for the LM)."""
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+    @torch.no_grad()
+    def score(self, output: torch.Tensor, target: torch.Tensor) -> "tuple[float, float, int]":
+        """(summed loss, number correct, number of predictions) of one batch."""
+        logits = output.reshape(-1, output.shape[-1]).float()
+        target = target.reshape(-1)
+        loss = F.cross_entropy(logits, target, reduction="sum").item()
+        correct = (logits.argmax(dim=1) == target).sum().item()
+        return loss, correct, target.numel()
+
+
+# ---------------------------------------------------------------------------
+# digits
+# ---------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _digits_arrays():
+    """(images, labels) of scikit-learn's digits. Read straight from the CSV that ships inside
+    scikit-learn when it is there (importing sklearn costs seconds per rank), else load_digits()."""
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(location, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+            return torch.from_numpy(table[:, :-1].copy()), torch.from_numpy(table[:, -1].astype(np.int64))
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise RuntimeError(f"{_PREFIX} the digits tasks need scikit-learn (pip install scikit-learn)") from None
+    data = load_digits()
+    return torch.tensor(data.data, dtype=torch.float32), torch.tensor(data.target, dtype=torch.int64)
+
+
+def _digits(test_size: int = 297):
+    images, labels = _digits_arrays()
+    x = images / 16.0
+    y = labels.clone()
+    order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(_DATA_SEED))
+    x, y = x[order], y[order]
+    x = (x - 0.3) / 0.4  # roughly zero mean, unit scale
+    return x[test_size:], y[test_size:], x[:test_size], y[:test_size]
+
+
+def _digits_mlp(dropout: float) -> Task:
+    x_train, y_train, x_test, y_test = _digits()
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Linear(64, 128), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(128, 64), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(64, 10),
+        )
+
+    return Task("digits-mlp", x_train, y_train, x_test, y_test, make_model)
+
+
+def _digits_cnn(dropout: float) -> Task:
+    x_train, y_train, x_test, y_test = _digits()
+    x_train, x_test = x_train.reshape(-1, 1, 8, 8), x_test.reshape(-1, 1, 8, 8)
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Dropout(dropout),
+            nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+    return Task("digits-cnn", x_train, y_train, x_test, y_test, make_model)
+
+
+# ---------------------------------------------------------------------------
+# tiny language model
+# ---------------------------------------------------------------------------
+
+_SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher",
+             "her brother", "the robot", "a farmer", "the children"]
+_VERBS = ["sees", "likes", "finds", "carries", "paints", "follows", "remembers", "builds"]
+_OBJECTS = ["a red ball", "the river", "an apple", "the green door", "a long letter",
+            "the quiet town", "some bread", "a wooden box", "the blue sky"]
+_ENDINGS = ["today", "at night", "in the morning", "with care", "again", "slowly", "near the house"]
+
+
+def generate_text(chars: int = 60000, seed: int = _DATA_SEED) -> str:
+    """Deterministic English-like text from a small grammar (subject verb object [ending])."""
+    rng = random.Random(seed)
+    parts, total = [], 0
+    while total < chars:
+        sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+        if rng.random() < 0.6:
+            sentence += " " + rng.choice(_ENDINGS)
+        sentence += ". " if rng.random() < 0.8 else ", and "
+        parts.append(sentence)
+        total += len(sentence)
+    return "".join(parts)[:chars]
+
+
+class TinyTransformerLM(nn.Module):
+    """Decoder-only character model: embeddings + pre-norm Transformer layers with a causal mask."""
+
+    def __init__(self, vocab: int, block: int, dim: int = 64, heads: int = 4, layers: int = 2,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.token = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.zeros(block, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=dropout,
+                                           batch_first=True, norm_first=True)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        nn.init.normal_(self.position, std=0.02)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        hidden = self.token(tokens) + self.position[:length]
+        hidden = self.layers(hidden, mask=self.mask[:length, :length], is_causal=True)
+        return self.head(self.norm(hidden))
+
+
+def _tinylm(dropout: float, block: int = 32) -> Task:
+    text = generate_text()
+    vocab = sorted(set(text))
+    codes = torch.tensor([vocab.index(c) for c in text], dtype=torch.int64)
+    windows = codes[: (codes.numel() - 1) // block * block + 1]
+    count = (windows.numel() - 1) // block
+    x = windows[:-1].reshape(count, block)
+    y = windows[1:].reshape(count, block)
+    test = max(1, count // 10)
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return TinyTransformerLM(len(vocab), block, dropout=dropout)
+
+    return Task("tinylm", x[test:], y[test:], x[:test], y[:test], make_model, metric="next-char accuracy")
+
+
+_FACTORIES: Dict[str, "tuple[Callable[[float], Task], float]"] = {
+    "digits-mlp": (_digits_mlp, 0.0),
+    "digits-cnn": (_digits_cnn, 0.0),
+    "tinylm": (_tinylm, 0.1),
+}
+TASKS = tuple(_FACTORIES)
+
+
+def get_task(name: str, dropout: Optional[float] = None) -> Task:
+    """Build the task ``name`` (one of :data:`TASKS`); ``dropout=None`` uses its default."""
+    if name not in _FACTORIES:
+        raise ValueError(f"{_PREFIX} unknown task {name!r} (choose from {', '.join(TASKS)})")
+    factory, default_dropout = _FACTORIES[name]
+    task = factory(default_dropout if dropout is None else float(dropout))
+    assert math.isfinite(float(task.x_train.float().sum()))
+    return task
