@@ -16,6 +16,9 @@
 namespace py = pybind11;
 
 namespace pycomm {
+
+void registerKernelBindings(py::module_& m);  // kernel_bindings.cc
+
 namespace {
 
 DataType dataTypeOf(const at::Tensor& t) {
@@ -186,6 +189,7 @@ PYBIND11_MODULE(_C, m) {
     return result;
   });
   m.def("_reset_stats", [] { pycomm::Stats::instance().reset(); });
+  pycomm::registerKernelBindings(m);
   m.def("_select_algorithm",
         [](size_t bytes, int worldSize) {
           return std::string(pycomm::allreduceAlgorithmName(

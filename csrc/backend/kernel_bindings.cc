@@ -1,0 +1,282 @@
+// Python bindings of the compression kernels (csrc/kernels/): pycomm._C.kernels.
+//
+// Thin wrappers for tests, benchmarks and the pure-Python codecs: they check the
+// tensors (usage errors raise ValueError / TypeError naming the op), release the
+// GIL and call the torch-free kernels in kernels/cpu/.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "common/error.h"
+#include "kernels/cpu/quantize.h"
+#include "kernels/cpu/topk.h"
+
+namespace py = pybind11;
+
+namespace pycomm {
+namespace {
+
+[[noreturn]] void raiseUsage(const std::string& message) { throw py::value_error(message); }
+
+// Runs a kernel call; pycomm usage errors become ValueError.
+template <typename F>
+auto translate(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const Error& err) {
+    if (err.kind() == ErrorKind::kUsage) raiseUsage(err.what());
+    throw;
+  }
+}
+
+void checkFloatTensor(const char* op, const char* name, const at::Tensor& t) {
+  if (t.device().type() != at::kCPU)
+    raiseUsage(std::string("pycomm ") + op + ": " + name + " must be a CPU tensor (got " +
+               t.device().str() + ")");
+  if (t.scalar_type() != at::kFloat)
+    throw py::type_error(std::string("pycomm ") + op + ": " + name + " must be float32 (got " +
+                         std::string(c10::toString(t.scalar_type())) + ")");
+  if (!t.is_contiguous())
+    raiseUsage(std::string("pycomm ") + op + ": " + name + " must be contiguous");
+}
+
+void checkSeed(const char* op, int64_t seed) {
+  if (seed < 0) raiseUsage(std::string("pycomm ") + op + ": seed must be >= 0");
+}
+
+size_t checkBlock(const char* op, int64_t block) {
+  if (block < 1)
+    raiseUsage(std::string("pycomm ") + op + ": block must be >= 1 (got " +
+               std::to_string(block) + ")");
+  return static_cast<size_t>(block);
+}
+
+// The caller's output buffer when given (benchmarks reuse one; a fresh 64 MB
+// tensor costs more in page faults than the kernel), else a new one.
+at::Tensor outputOf(const char* op, const std::optional<at::Tensor>& out, int64_t numel,
+                    at::ScalarType dtype) {
+  if (!out) return at::empty({numel}, dtype);
+  const at::Tensor& t = *out;
+  if (t.device().type() != at::kCPU || t.scalar_type() != dtype || !t.is_contiguous() ||
+      t.numel() != numel)
+    raiseUsage(std::string("pycomm ") + op + ": out must be a contiguous CPU " +
+               std::string(c10::toString(dtype)) + " tensor of " + std::to_string(numel) +
+               " elements");
+  return t;
+}
+
+const char* pathName(TopkPath p) {
+  switch (p) {
+    case TopkPath::kExact: return "exact";
+    case TopkPath::kOnePass: return "one_pass";
+    case TopkPath::kTieFill: return "tie_fill";
+    case TopkPath::kTrimmed: return "trimmed";
+    case TopkPath::kFallback: return "fallback";
+  }
+  return "?";
+}
+
+std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x, double density, bool exact,
+                                        int64_t seed) {
+  checkFloatTensor("topk", "x", x);
+  checkSeed("topk", seed);
+  return translate([&] {
+    const size_t n = static_cast<size_t>(x.numel());
+    const size_t k = topkCount("topk", n, density);
+    const size_t cap = exact ? k : topkBandHigh(k);
+    at::Tensor indices = at::empty({static_cast<int64_t>(cap)}, at::kLong);
+    at::Tensor values = at::empty({static_cast<int64_t>(cap)}, at::kFloat);
+    size_t m;
+    {
+      py::gil_scoped_release release;
+      if (exact) {
+        topkExact(x.data_ptr<float>(), n, k, indices.data_ptr<int64_t>(), values.data_ptr<float>());
+        m = k;
+      } else {
+        m = topkApprox(x.data_ptr<float>(), n, k, static_cast<uint64_t>(seed),
+                       indices.data_ptr<int64_t>(), values.data_ptr<float>());
+      }
+    }
+    const int64_t used = static_cast<int64_t>(m);
+    return std::make_tuple(indices.narrow(0, 0, used), values.narrow(0, 0, used));
+  });
+}
+
+py::dict topkInfo(const at::Tensor& x, double density, int64_t seed) {
+  checkFloatTensor("topk", "x", x);
+  checkSeed("topk", seed);
+  return translate([&] {
+    const size_t n = static_cast<size_t>(x.numel());
+    const size_t k = topkCount("topk", n, density);
+    at::Tensor indices = at::empty({static_cast<int64_t>(topkBandHigh(k))}, at::kLong);
+    at::Tensor values = at::empty({static_cast<int64_t>(topkBandHigh(k))}, at::kFloat);
+    TopkInfo info;
+    size_t m;
+    {
+      py::gil_scoped_release release;
+      m = topkApprox(x.data_ptr<float>(), n, k, static_cast<uint64_t>(seed),
+                     indices.data_ptr<int64_t>(), values.data_ptr<float>(), &info);
+    }
+    py::dict d;
+    d["k"] = k;
+    d["selected"] = m;
+    d["band"] = py::make_tuple(topkBandLow(k), topkBandHigh(k));
+    d["path"] = pathName(info.path);
+    d["sample_size"] = info.sampleSize;
+    d["threshold"] = info.threshold;
+    return d;
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, double density,
+                                          bool exact, int64_t seed) {
+  checkFloatTensor("topk_ef", "g", g);
+  checkFloatTensor("topk_ef", "e", e);
+  checkSeed("topk_ef", seed);
+  if (g.numel() != e.numel())
+    raiseUsage("pycomm topk_ef: g and e must have the same number of elements (got " +
+               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
+  if (g.is_same(e)) raiseUsage("pycomm topk_ef: g and e must be different tensors");
+  return translate([&] {
+    const size_t n = static_cast<size_t>(g.numel());
+    const size_t k = topkCount("topk_ef", n, density);
+    const size_t cap = exact ? k : topkBandHigh(k);
+    at::Tensor indices = at::empty({static_cast<int64_t>(cap)}, at::kLong);
+    at::Tensor values = at::empty({static_cast<int64_t>(cap)}, at::kFloat);
+    size_t m;
+    {
+      py::gil_scoped_release release;
+      m = topkErrorFeedback(g.data_ptr<float>(), e.data_ptr<float>(), n, k, exact,
+                            static_cast<uint64_t>(seed), indices.data_ptr<int64_t>(),
+                            values.data_ptr<float>());
+    }
+    const int64_t used = static_cast<int64_t>(m);
+    return std::make_tuple(indices.narrow(0, 0, used), values.narrow(0, 0, used));
+  });
+}
+
+at::Tensor quantizeTensor(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic,
+                          int64_t seed, const std::optional<at::Tensor>& outArg) {
+  checkFloatTensor("quantize", "x", x);
+  checkSeed("quantize", seed);
+  return translate([&] {
+    QuantizeOptions opts;
+    opts.bits = static_cast<int>(bits);
+    opts.block = checkBlock("quantize", block);
+    opts.stochastic = stochastic;
+    opts.seed = static_cast<uint64_t>(seed);
+    checkQuantizeOptions("quantize", opts.bits, opts.block);
+    const size_t n = static_cast<size_t>(x.numel());
+    at::Tensor out = outputOf("quantize", outArg,
+                              static_cast<int64_t>(packedSize(n, opts.bits, opts.block)), at::kByte);
+    {
+      py::gil_scoped_release release;
+      quantize(x.data_ptr<float>(), n, opts, out.data_ptr<uint8_t>());
+    }
+    return out;
+  });
+}
+
+at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t block,
+                      bool stochastic, int64_t seed, const std::optional<at::Tensor>& outArg) {
+  checkFloatTensor("quantize_ef", "g", g);
+  checkFloatTensor("quantize_ef", "e", e);
+  checkSeed("quantize_ef", seed);
+  if (g.numel() != e.numel())
+    raiseUsage("pycomm quantize_ef: g and e must have the same number of elements (got " +
+               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
+  if (g.is_same(e)) raiseUsage("pycomm quantize_ef: g and e must be different tensors");
+  return translate([&] {
+    QuantizeOptions opts;
+    opts.bits = static_cast<int>(bits);
+    opts.block = checkBlock("quantize_ef", block);
+    opts.stochastic = stochastic;
+    opts.seed = static_cast<uint64_t>(seed);
+    checkQuantizeOptions("quantize_ef", opts.bits, opts.block);
+    const size_t n = static_cast<size_t>(g.numel());
+    at::Tensor out = outputOf("quantize_ef", outArg,
+                              static_cast<int64_t>(packedSize(n, opts.bits, opts.block)), at::kByte);
+    {
+      py::gil_scoped_release release;
+      quantizeErrorFeedback(g.data_ptr<float>(), e.data_ptr<float>(), n, opts,
+                            out.data_ptr<uint8_t>());
+    }
+    return out;
+  });
+}
+
+at::Tensor dequantizeTensor(const at::Tensor& packed, int64_t count, int64_t bits, int64_t block,
+                            const std::optional<at::Tensor>& outArg) {
+  if (packed.device().type() != at::kCPU || packed.scalar_type() != at::kByte ||
+      !packed.is_contiguous())
+    raiseUsage("pycomm dequantize: packed must be a contiguous CPU uint8 tensor");
+  if (count < 0) raiseUsage("pycomm dequantize: count must be >= 0");
+  return translate([&] {
+    const size_t b = checkBlock("dequantize", block);
+    checkQuantizeOptions("dequantize", static_cast<int>(bits), b);
+    const size_t n = static_cast<size_t>(count);
+    const size_t need = packedSize(n, static_cast<int>(bits), b);
+    if (static_cast<size_t>(packed.numel()) != need)
+      raiseUsage("pycomm dequantize: packed holds " + std::to_string(packed.numel()) +
+                 " bytes where " + std::to_string(need) + " were expected for count " +
+                 std::to_string(n) + ", bits " + std::to_string(bits) + ", block " +
+                 std::to_string(b));
+    at::Tensor out = outputOf("dequantize", outArg, count, at::kFloat);
+    {
+      py::gil_scoped_release release;
+      dequantize(packed.data_ptr<uint8_t>(), n, static_cast<int>(bits), b, out.data_ptr<float>());
+    }
+    return out;
+  });
+}
+
+}  // namespace
+
+void registerKernelBindings(py::module_& m) {
+  auto k = m.def_submodule("kernels", "compression kernels on CPU tensors (see csrc/kernels/)");
+  k.def("topk", &topk, py::arg("x"), py::arg("density"), py::arg("exact") = true,
+        py::arg("seed") = 0,
+        "(indices int64, values float32) of the largest |x| in ascending index order; exact: "
+        "k = ceil(density * n) elements; approximate: within topk_band(k)");
+  k.def("topk_info", &topkInfo, py::arg("x"), py::arg("density"), py::arg("seed") = 0,
+        "diagnostics of one approximate top-k call (path taken, sample size, threshold)");
+  k.def("topk_ef", &topkEf, py::arg("g"), py::arg("e"), py::arg("density"),
+        py::arg("exact") = true, py::arg("seed") = 0,
+        "top-k of g + e; e <- g + e with the selected entries zeroed (in place)");
+  k.def(
+      "topk_count",
+      [](int64_t count, double density) {
+        if (count < 0) raiseUsage("pycomm topk: count must be >= 0");
+        return translate([&] { return topkCount("topk", static_cast<size_t>(count), density); });
+      },
+      py::arg("count"), py::arg("density"));
+  k.def(
+      "topk_band", [](int64_t k) { return py::make_tuple(topkBandLow(k), topkBandHigh(k)); },
+      py::arg("k"), "(low, high): the counts the approximate top-k may return for k");
+  k.def("quantize", &quantizeTensor, py::arg("x"), py::arg("bits") = 8, py::arg("block") = 256,
+        py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("out") = py::none(),
+        "packed uint8 (per block: float32 scale, then codes; layout in kernels/cpu/quantize.h)");
+  k.def("dequantize", &dequantizeTensor, py::arg("packed"), py::arg("count"), py::arg("bits") = 8,
+        py::arg("block") = 256, py::arg("out") = py::none());
+  k.def("quantize_ef", &quantizeEf, py::arg("g"), py::arg("e"), py::arg("bits") = 8,
+        py::arg("block") = 256, py::arg("stochastic") = false, py::arg("seed") = 0,
+        py::arg("out") = py::none(),
+        "packed quantize(g + e); e <- g + e - dequantize(packed) (in place)");
+  k.def(
+      "packed_size",
+      [](int64_t count, int64_t bits, int64_t block) {
+        if (count < 0) raiseUsage("pycomm packed_size: count must be >= 0");
+        return translate([&] {
+          return packedSize(static_cast<size_t>(count), static_cast<int>(bits),
+                            checkBlock("packed_size", block));
+        });
+      },
+      py::arg("count"), py::arg("bits"), py::arg("block"));
+}
+
+}  // namespace pycomm

@@ -1,0 +1,351 @@
+// Top-k selection by magnitude; the contract is in topk.h.
+//
+// Magnitudes are compared as keys: the bit pattern of |x| read as a non-negative
+// int32, which orders like |x| (NaN above +inf). The one hot loop (collect the
+// elements whose key reaches a bound) is written to auto-vectorize and compiled
+// twice: the portable baseline and an AVX2 copy picked at run time.
+#include "kernels/cpu/topk.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "common/error.h"
+#include "kernels/cpu/quantize.h"  // quantizeMix32 / quantizeSeedKey (sample positions)
+
+#if defined(__GNUC__)
+#define PYCOMM_TOPK_INLINE inline __attribute__((always_inline))
+#else
+#define PYCOMM_TOPK_INLINE inline
+#endif
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define PYCOMM_TOPK_X86_DISPATCH 1
+#endif
+
+namespace pycomm {
+namespace {
+
+PYCOMM_TOPK_INLINE int32_t keyOf(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return static_cast<int32_t>(b & 0x7FFFFFFFu);
+}
+
+float magnitudeOf(int32_t key) {
+  float x;
+  const uint32_t b = static_cast<uint32_t>(key);
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+// Elements (in index order) whose key reached a bound.
+struct Hits {
+  std::vector<int64_t> index;
+  std::vector<float> value;
+  void push(size_t i, float v) {
+    index.push_back(static_cast<int64_t>(i));
+    value.push_back(v);
+  }
+  size_t size() const { return index.size(); }
+};
+
+constexpr size_t kScanChunk = 64;
+
+// Appends every element with key >= low. With Sum, the element is g[i] + e[i]
+// and is also stored into e[i] (the error-feedback pass).
+template <bool Sum>
+PYCOMM_TOPK_INLINE void collectBody(const float* __restrict x, float* __restrict e, size_t n,
+                                    int32_t low, Hits& hits) {
+  size_t base = 0;
+  for (; base + kScanChunk <= n; base += kScanChunk) {
+    const float* src;
+    if constexpr (Sum) {
+      float* __restrict v = e + base;
+      const float* __restrict g = x + base;
+      for (size_t j = 0; j < kScanChunk; ++j) v[j] = g[j] + v[j];
+      src = v;
+    } else {
+      src = x + base;
+    }
+    int32_t reached = 0;
+    for (size_t j = 0; j < kScanChunk; ++j) reached |= keyOf(src[j]) >= low ? 1 : 0;
+    if (reached) {
+      for (size_t j = 0; j < kScanChunk; ++j)
+        if (keyOf(src[j]) >= low) hits.push(base + j, src[j]);
+    }
+  }
+  for (; base < n; ++base) {
+    float v;
+    if constexpr (Sum) {
+      v = x[base] + e[base];
+      e[base] = v;
+    } else {
+      v = x[base];
+    }
+    if (keyOf(v) >= low) hits.push(base, v);
+  }
+}
+
+void collectBaseline(const float* x, float* e, size_t n, int32_t low, Hits& hits) {
+  if (e) collectBody<true>(x, e, n, low, hits);
+  else collectBody<false>(x, nullptr, n, low, hits);
+}
+
+#ifdef PYCOMM_TOPK_X86_DISPATCH
+__attribute__((target("avx2"))) void collectAvx2(const float* x, float* e, size_t n, int32_t low,
+                                                 Hits& hits) {
+  if (e) collectBody<true>(x, e, n, low, hits);
+  else collectBody<false>(x, nullptr, n, low, hits);
+}
+bool topkHasAvx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+// x = the data (with e == nullptr), or g with e: then e <- g + e and the data is e.
+void collectAtLeast(const float* x, float* e, size_t n, int32_t low, Hits& hits) {
+#ifdef PYCOMM_TOPK_X86_DISPATCH
+  if (topkHasAvx2()) return collectAvx2(x, e, n, low, hits);
+#endif
+  collectBaseline(x, e, n, low, hits);
+}
+
+// The k largest keys among hits (k <= hits.size()), ties by lowest index,
+// written in index order.
+void selectFromHits(const Hits& hits, size_t k, int64_t* indices, float* values) {
+  const size_t h = hits.size();
+  std::vector<int32_t> keys(h);
+  for (size_t i = 0; i < h; ++i) keys[i] = keyOf(hits.value[i]);
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<int32_t>());
+  const int32_t kth = keys[k - 1];
+  size_t greater = 0;
+  for (size_t i = 0; i < h; ++i) greater += keyOf(hits.value[i]) > kth ? 1 : 0;
+  size_t ties = k - greater;
+  size_t out = 0;
+  for (size_t i = 0; i < h && out < k; ++i) {
+    const int32_t key = keyOf(hits.value[i]);
+    if (key > kth || (key == kth && ties > 0)) {
+      if (key == kth) --ties;
+      indices[out] = hits.index[i];
+      values[out] = hits.value[i];
+      ++out;
+    }
+  }
+  PYCOMM_CHECK_INTERNAL(out == k, "top-k selected ", out, " of ", k);
+}
+
+constexpr int kHistogramShift = 19;  // 31-bit keys -> 4096 bins (exponent + 4 mantissa bits)
+constexpr size_t kBins = size_t(1) << (31 - kHistogramShift);
+
+void exactImpl(const float* x, size_t n, size_t k, int64_t* indices, float* values) {
+  if (k == 0) return;
+  if (k >= n) {
+    for (size_t i = 0; i < n; ++i) {
+      indices[i] = static_cast<int64_t>(i);
+      values[i] = x[i];
+    }
+    return;
+  }
+  // Pass 1: histogram of the top key bits (4 interleaved copies, so that runs of
+  // equal bins do not serialize on one counter).
+  std::vector<uint64_t> hist(kBins, 0);
+  {
+    std::vector<uint32_t> part(4 * kBins);
+    constexpr size_t kFlush = size_t(1) << 30;  // keeps the uint32 counters from overflowing
+    for (size_t start = 0; start < n; start += kFlush) {
+      std::fill(part.begin(), part.end(), 0u);
+      const size_t end = std::min(n, start + kFlush);
+      size_t i = start;
+      for (; i + 4 <= end; i += 4) {
+        ++part[0 * kBins + (keyOf(x[i]) >> kHistogramShift)];
+        ++part[1 * kBins + (keyOf(x[i + 1]) >> kHistogramShift)];
+        ++part[2 * kBins + (keyOf(x[i + 2]) >> kHistogramShift)];
+        ++part[3 * kBins + (keyOf(x[i + 3]) >> kHistogramShift)];
+      }
+      for (; i < end; ++i) ++part[keyOf(x[i]) >> kHistogramShift];
+      for (size_t b = 0; b < kBins; ++b)
+        hist[b] += uint64_t(part[b]) + part[kBins + b] + part[2 * kBins + b] + part[3 * kBins + b];
+    }
+  }
+  size_t bin = kBins;
+  uint64_t atOrAbove = 0;
+  while (bin > 0) {
+    --bin;
+    atOrAbove += hist[bin];
+    if (atOrAbove >= k) break;
+  }
+  // Pass 2: everything in or above the k-th bin, then an exact selection among it.
+  Hits hits;
+  hits.index.reserve(atOrAbove);
+  hits.value.reserve(atOrAbove);
+  collectAtLeast(x, nullptr, n, static_cast<int32_t>(bin << kHistogramShift), hits);
+  selectFromHits(hits, k, indices, values);
+}
+
+// First `quota` indices (in order) whose element is +-0.
+void collectZeros(const float* x, size_t n, size_t quota, std::vector<int64_t>& out) {
+  for (size_t i = 0; i < n && out.size() < quota; ++i)
+    if (keyOf(x[i]) == 0) out.push_back(static_cast<int64_t>(i));
+}
+
+constexpr size_t kSampleMin = 65536;
+// The sample holds ~1024 elements above the threshold (relative error of the
+// estimate ~3%); the threshold aims 5% above k, since too many candidates cost
+// one cheap trim while too few cost a full exact pass.
+constexpr double kSamplePerKept = 1024.0;
+constexpr double kAimAbove = 1.05;
+
+// Approximate selection (DGC). g/e as in collectAtLeast: with e, the data is g + e and
+// e holds it afterwards.
+size_t approxImpl(const float* x, float* e, size_t n, size_t k, uint64_t seed, int64_t* indices,
+                  float* values, TopkInfo* info) {
+  TopkInfo local;
+  TopkInfo& stats = info ? *info : local;
+  stats = TopkInfo{};
+  auto exactOnData = [&](const float* data) {
+    exactImpl(data, n, k, indices, values);
+    return k;
+  };
+  if (n < kTopkApproxMinCount || k == 0 || k >= n / 2) {
+    if (e) {
+      for (size_t i = 0; i < n; ++i) e[i] = x[i] + e[i];
+      return exactOnData(e);
+    }
+    return exactOnData(x);
+  }
+  const size_t lo = topkBandLow(k), hi = topkBandHigh(k);
+
+  // Threshold estimate from a jittered strided sample.
+  size_t m = std::max(kSampleMin, static_cast<size_t>(std::ceil(kSamplePerKept * double(n) / double(k))));
+  m = std::min(m, n / 4);
+  const size_t stride = n / m;
+  const uint32_t key = quantizeSeedKey(seed ^ 0x5A17C0DEull, 0);
+  std::vector<int32_t> sample(m);
+  for (size_t j = 0; j < m; ++j) {
+    const size_t i = j * stride + quantizeMix32(key + static_cast<uint32_t>(j)) % stride;
+    sample[j] = keyOf(e ? x[i] + e[i] : x[i]);
+  }
+  size_t rank = static_cast<size_t>(std::llround(kAimAbove * double(m) * double(k) / double(n)));
+  rank = std::min(std::max<size_t>(rank, 1), m);
+  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
+                   std::greater<int32_t>());
+  const int32_t threshold = sample[rank - 1];
+  stats.sampleSize = m;
+  stats.threshold = magnitudeOf(threshold);
+
+  // The one pass: everything >= threshold (> 0 when the threshold is 0, so that a
+  // mostly-zero gradient does not collect its zeros).
+  Hits hits;
+  hits.index.reserve(hi + hi / 4 + 16);
+  hits.value.reserve(hi + hi / 4 + 16);
+  collectAtLeast(x, e, n, threshold == 0 ? 1 : threshold, hits);
+  const float* data = e ? e : x;
+
+  size_t above = 0, equal = 0;
+  for (size_t i = 0; i < hits.size(); ++i) {
+    const int32_t kk = keyOf(hits.value[i]);
+    above += kk > threshold ? 1 : 0;
+    equal += kk == threshold ? 1 : 0;
+  }
+  if (above > hi) {
+    stats.path = TopkPath::kTrimmed;
+    selectFromHits(hits, k, indices, values);
+    return k;
+  }
+  if (above >= lo) {
+    stats.path = TopkPath::kOnePass;
+    size_t out = 0;
+    for (size_t i = 0; i < hits.size(); ++i) {
+      if (keyOf(hits.value[i]) > threshold) {
+        indices[out] = hits.index[i];
+        values[out] = hits.value[i];
+        ++out;
+      }
+    }
+    return out;
+  }
+  // Too few above the threshold: fill with elements equal to it, lowest index first.
+  const size_t quota = k - above;
+  if (threshold != 0 && above + equal >= lo) {
+    stats.path = TopkPath::kTieFill;
+    size_t out = 0, ties = std::min(quota, equal);
+    for (size_t i = 0; i < hits.size(); ++i) {
+      const int32_t kk = keyOf(hits.value[i]);
+      if (kk > threshold || (kk == threshold && ties > 0)) {
+        if (kk == threshold) --ties;
+        indices[out] = hits.index[i];
+        values[out] = hits.value[i];
+        ++out;
+      }
+    }
+    return out;
+  }
+  if (threshold == 0) {
+    std::vector<int64_t> zeros;
+    zeros.reserve(quota);
+    collectZeros(data, n, quota, zeros);
+    if (above + zeros.size() >= lo) {
+      stats.path = TopkPath::kTieFill;
+      size_t out = 0, a = 0, z = 0;  // merge the two index-ordered lists
+      while (a < hits.size() || z < zeros.size()) {
+        if (z == zeros.size() || (a < hits.size() && hits.index[a] < zeros[z])) {
+          indices[out] = hits.index[a];
+          values[out] = hits.value[a];
+          ++a;
+        } else {
+          indices[out] = zeros[z];
+          values[out] = data[zeros[z]];
+          ++z;
+        }
+        ++out;
+      }
+      return out;
+    }
+  }
+  stats.path = TopkPath::kFallback;
+  return exactOnData(data);
+}
+
+}  // namespace
+
+size_t topkCount(const char* op, size_t count, double density) {
+  PYCOMM_CHECK_USAGE(density > 0.0 && density <= 1.0, "pycomm ", op,
+                     ": density must be in (0, 1] (got ", density, ")");
+  if (count == 0) return 0;
+  const double want = std::ceil(density * static_cast<double>(count) - 1e-9);
+  size_t k = want < 1.0 ? 1 : static_cast<size_t>(want);
+  return std::min(k, count);
+}
+
+void topkExact(const float* x, size_t count, size_t k, int64_t* indices, float* values) {
+  PYCOMM_CHECK_USAGE(k <= count, "pycomm topk: k = ", k, " exceeds the count ", count);
+  exactImpl(x, count, k, indices, values);
+}
+
+size_t topkApprox(const float* x, size_t count, size_t k, uint64_t seed, int64_t* indices,
+                  float* values, TopkInfo* info) {
+  PYCOMM_CHECK_USAGE(k <= count, "pycomm topk: k = ", k, " exceeds the count ", count);
+  return approxImpl(x, nullptr, count, k, seed, indices, values, info);
+}
+
+size_t topkErrorFeedback(const float* g, float* e, size_t count, size_t k, bool exact,
+                         uint64_t seed, int64_t* indices, float* values, TopkInfo* info) {
+  PYCOMM_CHECK_USAGE(k <= count, "pycomm topk_ef: k = ", k, " exceeds the count ", count);
+  size_t m;
+  if (exact) {
+    for (size_t i = 0; i < count; ++i) e[i] = g[i] + e[i];
+    exactImpl(e, count, k, indices, values);
+    m = k;
+    if (info) *info = TopkInfo{};
+  } else {
+    m = approxImpl(g, e, count, k, seed, indices, values, info);
+  }
+  for (size_t j = 0; j < m; ++j) e[indices[j]] = 0.0f;
+  return m;
+}
+
+}  // namespace pycomm

@@ -1,0 +1,360 @@
+"""Compression kernels (csrc/kernels/cpu/topk.*, quantize.*) through pycomm._C.kernels,
+against torch references; plus the nvcc compile check of csrc/kernels/cuda/.
+
+Tolerances (stated once):
+  * exact top-k: the selected set equals torch.topk(|x|)'s; with ties at the k-th
+    magnitude, the multiset of magnitudes is equal and ties go to the lowest indices.
+  * approximate top-k: count within kernels.topk_band(k) = k -+ k // 10, and every
+    selected |x| >= every unselected |x|.
+  * quantize, deterministic rounding: |x - deq| <= scale / 2 (8/4-bit, scale = max|x| / L);
+    stochastic: |x - deq| < scale; both up to 1e-6 * max|x| of float32 arithmetic.
+    1-bit: deq = +-scale with scale = mean|x| (deterministic, rel 1e-5 vs float64) or
+    max|x| (stochastic).
+  * stochastic rounding is unbiased: the mean over S seeds is within 5 standard errors
+    (per element variance <= scale^2 / 4, 1-bit: <= scale^2) of x.
+  * error feedback: e_new == g + e - dequantize(packed) bit for bit.
+"""
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from pycomm._C import kernels as K
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LEVELS = {8: 127, 4: 7}
+
+
+def gen(n, kind="normal", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, generator=g)
+    if kind == "heavy":  # Cauchy (Student-t, 1 degree of freedom): very heavy tails
+        return torch.randn(n, generator=g) / torch.randn(n, generator=g).abs().clamp_min(1e-6)
+    if kind == "zeros90":
+        x = torch.randn(n, generator=g)
+        return x * (torch.rand(n, generator=g) < 0.1)
+    if kind == "zeros995":  # fewer nonzeros than k at 1 %: the rest are ties at 0
+        x = torch.randn(n, generator=g)
+        return x * (torch.rand(n, generator=g) < 0.005)
+    if kind == "pm1":  # only +-1 and +-2: huge ties at the threshold
+        return (torch.randint(1, 3, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)).float()
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------------------- top-k
+
+
+def check_topk_exact(x, density):
+    n = x.numel()
+    k = K.topk_count(n, density)
+    idx, val = K.topk(x, density, exact=True)
+    assert idx.dtype == torch.int64 and val.dtype == torch.float32
+    assert idx.numel() == k == val.numel()
+    if k == 0:
+        return
+    assert torch.all(idx[1:] > idx[:-1]), "indices must be ascending and unique"
+    assert torch.equal(val, x[idx])
+    ref = torch.topk(x.abs(), k)
+    # Same multiset of magnitudes.
+    assert torch.equal(val.abs().sort().values, ref.values.sort().values)
+    kth = ref.values.min()
+    strictly = (x.abs() > kth).nonzero().flatten()
+    chosen = set(idx.tolist())
+    assert set(strictly.tolist()) <= chosen
+    ties = (x.abs() == kth).nonzero().flatten()
+    need = k - strictly.numel()
+    assert set(ties[:need].tolist()) == chosen - set(strictly.tolist()), "ties go to the lowest index"
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 255, 257, 10007, 300001])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])
+def test_topk_exact_matches_torch(n, density):
+    check_topk_exact(gen(n, seed=n), density)
+
+
+def test_topk_exact_no_ties_is_torch_set():
+    x = gen(100003, seed=5)
+    idx, _ = K.topk(x, 0.02, exact=True)
+    ref = torch.topk(x.abs(), idx.numel()).indices.sort().values
+    assert torch.equal(idx, ref)
+
+
+@pytest.mark.parametrize("kind", ["pm1", "zeros995", "zeros90"])
+def test_topk_exact_with_ties(kind):
+    check_topk_exact(gen(50000, kind, seed=3), 0.01)
+    check_topk_exact(torch.full((1000,), -3.0), 0.1)
+
+
+def check_approx(x, density, seed=0):
+    n = x.numel()
+    k = K.topk_count(n, density)
+    lo, hi = K.topk_band(k)
+    idx, val = K.topk(x, density, exact=False, seed=seed)
+    assert lo <= idx.numel() <= hi, (idx.numel(), k)
+    assert torch.all(idx[1:] > idx[:-1])
+    assert torch.equal(val, x[idx])
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[idx] = False
+    if mask.any():
+        assert val.abs().min() >= x.abs()[mask].max()
+    return K.topk_info(x, density, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros90", "zeros995", "pm1"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_topk_approx_density_band(kind, density):
+    x = gen(1 << 20, kind, seed=11)
+    info = check_approx(x, density)
+    if kind == "normal":
+        assert info["path"] in ("one_pass", "trimmed"), info
+
+
+def test_topk_approx_paths_mostly_one_pass():
+    paths = [K.topk_info(gen(1 << 19, "normal", seed=s), 0.01, seed=s)["path"] for s in range(8)]
+    assert paths.count("fallback") == 0, paths
+    assert paths.count("one_pass") >= 4, paths
+
+
+def test_topk_approx_small_inputs_are_exact():
+    for n in (0, 1, 257, 10007):
+        x = gen(n, seed=2)
+        a = K.topk(x, 0.05, exact=False)
+        e = K.topk(x, 0.05, exact=True)
+        assert torch.equal(a[0], e[0]) and torch.equal(a[1], e[1])
+
+
+def test_topk_approx_deterministic_given_seed():
+    x = gen(1 << 19, "heavy", seed=4)
+    a = K.topk(x, 0.01, exact=False, seed=7)
+    b = K.topk(x, 0.01, exact=False, seed=7)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("n", [0, 1, 10007, 1 << 19])
+def test_topk_error_feedback(exact, n):
+    g = gen(n, seed=1)
+    e = gen(n, seed=2) * 0.5
+    v = g + e
+    idx, val = K.topk_ef(g, e, 0.01, exact=exact, seed=3)
+    ref_idx, ref_val = K.topk(v, 0.01, exact=exact, seed=3)
+    assert torch.equal(idx, ref_idx) and torch.equal(val, ref_val)
+    sent = torch.zeros(n)
+    sent[idx] = val
+    assert torch.equal(e, v - sent)
+
+
+# ------------------------------------------------------------------------- quantize
+
+
+def ref_decode(packed, count, bits, block):
+    """Independent decoder of the layout documented in kernels/cpu/quantize.h.
+    Returns (values, per-element scale)."""
+    assert packed.numel() == K.packed_size(count, bits, block)
+    out, scales = [], []
+
+    def decode(raw, nblocks, n):  # raw: [nblocks, 4 + codes]
+        s = raw[:, :4].reshape(-1).clone().view(torch.float32).reshape(nblocks, 1)
+        c = raw[:, 4:]
+        if bits == 8:
+            vals = c.contiguous().view(torch.int8).float()[:, :n] * s
+        elif bits == 4:
+            lo = (c & 15).int() - 8
+            hi = (c >> 4).int() - 8
+            vals = torch.stack([lo, hi], 2).reshape(nblocks, -1)[:, :n].float() * s
+        else:
+            bit = (c.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8)) & 1
+            bit = bit.reshape(nblocks, -1)[:, :n].bool()
+            vals = torch.where(bit, s.expand(-1, n), -s.expand(-1, n))
+        out.append(vals.reshape(-1))
+        scales.append(s.expand(-1, n).reshape(-1))
+
+    full, tail = divmod(count, block)
+    per = 4 + (block * bits + 7) // 8
+    if full:
+        decode(packed[: full * per].reshape(full, per), full, block)
+    if tail:
+        decode(packed[full * per:].reshape(1, -1), 1, tail)
+    if not out:
+        return torch.zeros(0), torch.zeros(0)
+    return torch.cat(out), torch.cat(scales)
+
+
+def block_max(x, block):
+    n = x.numel()
+    pad = (-n) % block
+    a = torch.cat([x.abs(), torch.zeros(pad)]).reshape(-1, block)
+    return a.max(1).values.repeat_interleave(block)[:n]
+
+
+def block_mean(x, block):
+    n = x.numel()
+    pad = (-n) % block
+    a = torch.cat([x.abs().double(), torch.zeros(pad, dtype=torch.float64)]).reshape(-1, block)
+    counts = torch.full((a.shape[0],), float(block), dtype=torch.float64)
+    if pad:
+        counts[-1] = block - pad
+    return (a.sum(1) / counts).repeat_interleave(block)[:n]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 1])
+@pytest.mark.parametrize("block", [1, 7, 64, 256])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_layout_and_error_bound(bits, block, stochastic):
+    for n in sorted({0, 1, block - 1, block + 1, 10007}):
+        x = gen(n, "heavy" if n % 2 else "normal", seed=n + block)
+        packed = K.quantize(x, bits, block, stochastic, 5)
+        assert packed.dtype == torch.uint8
+        assert packed.numel() == K.packed_size(n, bits, block)
+        deq = K.dequantize(packed, n, bits, block)
+        ref, scale = ref_decode(packed, n, bits, block)
+        assert torch.equal(deq, ref), "dequantize disagrees with the documented layout"
+        if n == 0:
+            continue
+        mx = block_max(x, block)
+        slack = 1e-6 * mx + 1e-30
+        err = (x - deq).abs()
+        if bits in LEVELS:
+            assert torch.allclose(scale, mx / LEVELS[bits], rtol=1e-6, atol=0)
+            bound = scale / 2 if not stochastic else scale
+            assert torch.all(err <= bound + slack), (err - bound).max()
+        elif stochastic:
+            assert torch.equal(scale, mx)
+            assert torch.all(err <= 2 * scale + slack)
+        else:
+            assert torch.allclose(scale.double(), block_mean(x, block), rtol=1e-5, atol=0)
+            assert torch.equal(deq, torch.where(x >= 0, scale, -scale))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 1])
+def test_zero_block_decodes_to_zero(bits):
+    x = torch.zeros(100)
+    x[70:] = torch.randn(30)
+    for stochastic in (False, True):
+        deq = K.dequantize(K.quantize(x, bits, 64, stochastic, 1), 100, bits, 64)
+        assert torch.all(deq[:64] == 0)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 1])
+def test_stochastic_rounding_unbiased(bits):
+    n, block, seeds = 4096, 64, 300
+    x = gen(n, "heavy", seed=9)
+    acc = torch.zeros(n, dtype=torch.float64)
+    for s in range(seeds):
+        acc += K.dequantize(K.quantize(x, bits, block, True, s), n, bits, block).double()
+    mean = acc / seeds
+    mx = block_max(x, block).double()
+    sd = mx / LEVELS[bits] / 2 if bits in LEVELS else mx  # per-draw standard deviation bound
+    se = sd / seeds ** 0.5
+    assert torch.all((mean - x.double()).abs() <= 5 * se + 1e-6 * mx)
+    # And the overall bias, averaged over all elements, is far smaller.
+    z = (mean - x.double()).sum() / (se.pow(2).sum().sqrt())
+    assert abs(z) < 5, z
+    # Deterministic rounding, by contrast, is biased for these values at 4 and 1 bit.
+
+
+def test_stochastic_deterministic_given_seed():
+    x = gen(10007, seed=1)
+    for bits in (8, 4, 1):
+        a = K.quantize(x, bits, 256, True, 42)
+        assert torch.equal(a, K.quantize(x, bits, 256, True, 42))
+        assert not torch.equal(a, K.quantize(x, bits, 256, True, 43))
+        # Deterministic rounding ignores the seed.
+        assert torch.equal(K.quantize(x, bits, 256, False, 1), K.quantize(x, bits, 256, False, 2))
+
+
+def test_stochastic_draw_depends_on_global_index_only():
+    # Same element values at the same global index -> same codes, whatever the block.
+    x = gen(4096, seed=3)
+    y = x.clone()
+    y[2048:] *= 2  # different scale in the second half, first half identical
+    a = K.dequantize(K.quantize(x, 8, 2048, True, 9), 4096, 8, 2048)
+    b = K.dequantize(K.quantize(y, 8, 2048, True, 9), 4096, 8, 2048)
+    assert torch.equal(a[:2048], b[:2048])
+
+
+@pytest.mark.parametrize("bits", [8, 4, 1])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("block", [7, 256])
+def test_quantize_error_feedback_exact(bits, stochastic, block):
+    for n in sorted({0, 1, block - 1, block + 1, 10007}):
+        g = gen(n, seed=n)
+        e = gen(n, seed=n + 1) * 0.1
+        v = g + e
+        packed = K.quantize_ef(g, e, bits, block, stochastic, 11)
+        assert torch.equal(packed, K.quantize(v, bits, block, stochastic, 11))
+        assert torch.equal(e, v - K.dequantize(packed, n, bits, block))
+
+
+def test_out_buffers_are_used():
+    x = gen(1000)
+    out = torch.empty(K.packed_size(1000, 8, 64), dtype=torch.uint8)
+    p = K.quantize(x, 8, 64, out=out)
+    assert p.data_ptr() == out.data_ptr()
+    y = torch.empty(1000)
+    d = K.dequantize(out, 1000, 8, 64, out=y)
+    assert d.data_ptr() == y.data_ptr()
+    with pytest.raises(ValueError, match="pycomm quantize: out must be"):
+        K.quantize(x, 8, 64, out=torch.empty(3, dtype=torch.uint8))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_usage_errors():
+    x = torch.randn(100)
+    for d in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"pycomm topk: density must be in \(0, 1\]"):
+            K.topk(x, d)
+    with pytest.raises(TypeError, match="pycomm topk: x must be float32"):
+        K.topk(x.double(), 0.1)
+    with pytest.raises(ValueError, match="pycomm topk: x must be contiguous"):
+        K.topk(torch.randn(10, 10).t(), 0.1)
+    with pytest.raises(ValueError, match="pycomm quantize: bits must be 8, 4 or 1"):
+        K.quantize(x, 3, 64)
+    with pytest.raises(ValueError, match="pycomm quantize: block must be >= 1"):
+        K.quantize(x, 8, 0)
+    with pytest.raises(ValueError, match="pycomm dequantize: packed holds"):
+        K.dequantize(K.quantize(x, 8, 64), 101, 8, 64)
+    with pytest.raises(ValueError, match="pycomm quantize_ef: g and e must have the same"):
+        K.quantize_ef(x, torch.zeros(99))
+    with pytest.raises(ValueError, match="pycomm topk_ef: g and e must be different"):
+        K.topk_ef(x, x, 0.1)
+
+
+# ----------------------------------------------------------------- build checks
+
+
+def test_cpu_kernels_build_without_torch(tmp_path):
+    """kernels/cpu/ compiles with plain g++ (no torch headers), warnings as errors."""
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++ on PATH")
+    for name in ("topk.cc", "quantize.cc"):
+        src = os.path.join(ROOT, "csrc", "kernels", "cpu", name)
+        subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+                        "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", str(tmp_path / (name + ".o"))],
+                       check=True, timeout=120)
+
+
+CUDA_SOURCES = ["topk.cu", "quantize.cu"]
+
+
+@pytest.mark.parametrize("name", CUDA_SOURCES)
+def test_cuda_kernels_compile_with_nvcc(name):
+    """Compile check of csrc/kernels/cuda/*.cu for sm_90 (no GPU needed):
+    nvcc -std=c++17 -arch=sm_90 -Icsrc -c csrc/kernels/cuda/<name> -o /dev/null"""
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if nvcc is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        nvcc = "/usr/local/cuda/bin/nvcc"
+    if nvcc is None:
+        pytest.skip("nvcc not found (set NVCC or put nvcc on PATH) - CUDA kernels not compile-checked")
+    src = os.path.join(ROOT, "csrc", "kernels", "cuda", name)
+    proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Xcompiler", "-Wall", "-I",
+                           os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warning" not in proc.stderr.lower(), proc.stderr
