@@ -39,7 +39,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKEND_NAME",
     "Config",
+    "compression",
     "get_algorithm",
+    "hooks",
     "last_algorithm",
     "load_config",
     "reset_stats",
@@ -49,3 +51,5 @@ __all__ = [
 ]
 
 register()
+
+from . import compression, hooks  # noqa: E402  (pure Python; after the backend is registered)

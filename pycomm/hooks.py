@@ -1,0 +1,555 @@
+"""DDP communication hooks: dense all-reduce, top-k sparsification and blockwise quantization.
+
+Usage (any backend; the pycomm backend is not required)::
+
+    from pycomm.hooks import TopKState, topk_hook, QuantizeState, quantize_hook, fp16_wrapper
+    ddp.register_comm_hook(TopKState(density=0.01), topk_hook)
+    ddp.register_comm_hook(QuantizeState(bits=4), quantize_hook)
+    ddp.register_comm_hook(TopKState(), fp16_wrapper(topk_hook))   # values sent as float16
+
+Every hook returns a ``Future`` of the bucket's gradient averaged over the group; the
+result is bit-identical on every rank (each rank decodes every rank's contribution and
+sums them in rank order), so replicas stay in step.
+
+Granularity. Compression works **per parameter** inside a bucket: top-k keeps
+``ceil(density * numel)`` entries of every parameter (per layer, as Deep Gradient
+Compression does), and quantization blocks never straddle two parameters. Error-feedback
+residuals are stored per parameter, and stochastic rounding / threshold sampling draws
+from a generator seeded by ``(seed, rank, step, parameter)``. Hence a step's result
+depends only on each parameter's gradient, not on how DDP groups parameters into
+buckets: DDP's bucket rebuild after the first iteration, a fresh DDP after loading a
+checkpoint, and a different ``bucket_cap_mb`` all give the same numbers.
+
+Parameters are keyed by the order in which the hook first sees them (DDP's first
+iteration: bucket 0 first, within a bucket in ``bucket.parameters()`` order), which is the
+same in every fresh DDP over the same model; checkpoints store residuals under these
+ordinals. One state object serves one model.
+
+Exchange. Top-k: every rank all-gathers ``(int32 indices, values)``, scatter-adds all
+ranks' entries and divides by the world size; when the all-gather would move at least
+as many bytes as a ring all-reduce (``world * k * (4 + value_bytes) >= 2 * numel *
+element_bytes``) the sparsified bucket goes through a dense all-reduce instead (same
+result up to summation order). Quantize: every rank all-gathers its packed codes and
+float32 scales, dequantizes every rank's and averages. Both use ``all_gather`` only, so
+they run on gloo as well as pycomm; :func:`_compressed_collective` is the one place
+where pycomm's C++ compressed collectives (not written yet) will take over.
+
+Hooks are annotated ``-> torch.futures.Future[torch.Tensor]`` (DDP checks the annotation),
+so this module does not use ``from __future__ import annotations``.
+
+Checkpoints: ``state.state_dict()`` holds plain Python values and tensors (torch.save-able);
+``load_state_dict`` restores residuals and the step counter.
+"""
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .compression import (
+    SUPPORTED_BITS,
+    QuantizedTensor,
+    dequantize_blockwise,
+    quantize_blockwise,
+    topk_approx,
+    topk_count,
+    topk_exact,
+)
+
+__all__ = [
+    "AllreduceState",
+    "allreduce_hook",
+    "TopKState",
+    "topk_hook",
+    "QuantizeState",
+    "quantize_hook",
+    "fp16_wrapper",
+    "bf16_wrapper",
+]
+
+_ALGORITHMS = ("auto", "ring", "tree", "sharded")
+_STATE_VERSION = 1
+_MASK64 = (1 << 64) - 1
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _is_pycomm(group) -> bool:
+    """Whether ``group`` (None: the default group) runs on the pycomm backend."""
+    try:
+        from . import _C
+
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        return isinstance(pg._get_backend(torch.device("cpu")), _C.ProcessGroupPycomm)
+    except Exception:  # noqa: BLE001  (no such backend on the group, or not initialised)
+        return False
+
+
+def _compressed_collective(group, kind: str) -> Optional[Callable]:
+    """THE plug-in point for pycomm's compressed collectives.
+
+    When pycomm's C++ core gains compressed collectives (a sparse all-reduce for
+    ``kind == "topk"``; a two-phase quantized reduce-scatter + all-gather with
+    requantization for ``kind == "quantize"``), return here, for a pycomm ``group``, a
+    callable ``fn(state, bucket_buffer, encoded) -> Future[Tensor]`` that averages the
+    already-encoded local contribution. Until then this returns None and the hooks use
+    the all_gather exchange, which works on every backend."""
+    if not _is_pycomm(group):
+        return None
+    return None  # pycomm's compressed collectives do not exist yet (csrc/algorithms/)
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _dense_allreduce(buffer: torch.Tensor, group, world: int) -> torch.futures.Future[torch.Tensor]:
+    """Average ``buffer`` in place: scale by 1/world first, then SUM. DDP without a hook
+    does the same (it multiplies by 1/world as it copies gradients into the bucket), so
+    the results are bit-identical to it."""
+    buffer.mul_(1.0 / world)
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _all_gather_bytes(payload: torch.Tensor, group, world: int) -> Tuple[torch.futures.Future, torch.Tensor]:
+    """All-gather one uint8 payload per rank; returns (future, [world, len] output)."""
+    out = payload.new_empty(world * payload.numel())
+    fut = _all_gather_single(out, payload, group=group, async_op=True).get_future()
+    return fut, out.view(world, payload.numel())
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _mix_seed(*values: int) -> int:
+    """A 63-bit seed from several integers (splitmix64 steps)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (int(v) & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return h & ((1 << 63) - 1)
+
+
+def _future_tensor(fut: torch.futures.Future) -> torch.Tensor:
+    value = fut.value()
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+# ---------------------------------------------------------------------------
+# dense
+# ---------------------------------------------------------------------------
+
+class AllreduceState:
+    """State of :func:`allreduce_hook`: the process group and the all-reduce algorithm.
+
+    ``algorithm`` (``"auto"``, ``"ring"``, ``"tree"``, ``"sharded"``; None keeps the
+    group's setting) is applied with :func:`pycomm.set_algorithm` on the first call, so
+    it is a setting of the whole group, not of this hook alone. It needs a pycomm group
+    (other backends accept only None or ``"auto"``)."""
+
+    def __init__(self, process_group=None, algorithm: Optional[str] = None):
+        if algorithm is not None and algorithm not in _ALGORITHMS:
+            raise ValueError(f"pycomm allreduce_hook: algorithm must be one of {', '.join(_ALGORITHMS)} "
+                             f"or None (got {algorithm!r})")
+        self.process_group = process_group
+        self.algorithm = algorithm
+        self.step = 0
+        self._applied = False
+
+    def _apply_algorithm(self) -> None:
+        if self._applied:
+            return
+        self._applied = True
+        if self.algorithm is None:
+            return
+        if _is_pycomm(self.process_group):
+            from ._backend import set_algorithm
+
+            set_algorithm(self.algorithm, self.process_group)
+        elif self.algorithm != "auto":
+            raise ValueError(f"pycomm allreduce_hook: algorithm {self.algorithm!r} needs a pycomm process "
+                             f"group (this group's backend is {dist.get_backend(self.process_group)})")
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"kind": "allreduce", "version": _STATE_VERSION, "step": self.step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        _check_kind("allreduce_hook", state, "allreduce")
+        self.step = int(state.get("step", 0))
+
+
+def allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Dense gradient averaging (the same numbers as DDP without a hook). ``state``: an
+    :class:`AllreduceState`, a process group, or None (default group)."""
+    if isinstance(state, AllreduceState):
+        state._apply_algorithm()
+        group = state.process_group
+        if bucket.is_last():
+            state.step += 1
+    else:
+        group = state
+    buffer = bucket.buffer()
+    return _dense_allreduce(buffer, group, _group_size(group))
+
+
+# ---------------------------------------------------------------------------
+# compressed hooks: shared state
+# ---------------------------------------------------------------------------
+
+def _check_kind(op: str, state: Dict[str, Any], kind: str) -> None:
+    if not isinstance(state, dict):
+        raise TypeError(f"pycomm {op}: load_state_dict expects a dict (got {type(state).__name__})")
+    got = state.get("kind")
+    if got != kind:
+        raise ValueError(f"pycomm {op}: this state_dict is of a {got!r} hook, not {kind!r}")
+    version = state.get("version", _STATE_VERSION)
+    if version > _STATE_VERSION:
+        raise ValueError(f"pycomm {op}: state_dict version {version} is newer than this pycomm "
+                         f"understands ({_STATE_VERSION})")
+
+
+class _CompressionState:
+    """Shared machinery: process group, step counter, per-parameter residuals, seeding."""
+
+    _kind = ""
+    _op = ""
+
+    def __init__(self, process_group, error_feedback: bool, warmup_steps: int, seed: int):
+        if int(warmup_steps) < 0:
+            raise ValueError(f"pycomm {self._op}: warmup_steps must be >= 0 (got {warmup_steps!r})")
+        self.process_group = process_group
+        self.error_feedback = bool(error_feedback)
+        self.warmup_steps = int(warmup_steps)
+        self.seed = int(seed)
+        self.step = 0  # synchronised iterations completed (no_sync() iterations are not counted)
+        self._residuals: Dict[int, torch.Tensor] = {}
+        self._ordinals: Dict[int, Tuple[weakref.ref, int]] = {}
+        self._generator = torch.Generator()
+
+    # -- parameters ------------------------------------------------------------
+    def _ordinal(self, param: torch.Tensor) -> int:
+        entry = self._ordinals.get(id(param))
+        if entry is not None and entry[0]() is param:
+            return entry[1]
+        ordinal = len(self._ordinals)
+        self._ordinals[id(param)] = (weakref.ref(param), ordinal)
+        return ordinal
+
+    def _segments(self, bucket, buffer: torch.Tensor) -> List[Tuple[int, int, int]]:
+        """(ordinal, offset, numel) of every parameter in the bucket's flat buffer."""
+        segments, offset = [], 0
+        for param in bucket.parameters():
+            numel = param.numel()
+            segments.append((self._ordinal(param), offset, numel))
+            offset += numel
+        if offset != buffer.numel():
+            raise ValueError(f"pycomm {self._op}: bucket {bucket.index()} holds {buffer.numel()} elements "
+                             f"but its parameters have {offset} (sparse gradients are not supported)")
+        return segments
+
+    def _input(self, buffer: torch.Tensor, ordinal: int, offset: int, numel: int) -> torch.Tensor:
+        """This parameter's gradient (float32 copy) plus its error-feedback residual."""
+        x = buffer[offset: offset + numel].to(torch.float32, copy=True)
+        if self.error_feedback:
+            residual = self._residuals.get(ordinal)
+            if residual is not None:
+                if residual.numel() != numel:
+                    raise ValueError(
+                        f"pycomm {self._op}: the residual of parameter #{ordinal} has {residual.numel()} "
+                        f"elements but the parameter has {numel} (state loaded from another model?)")
+                x += residual.to(x.device)
+        return x
+
+    def _store_residual(self, ordinal: int, residual: torch.Tensor) -> None:
+        if self.error_feedback:
+            self._residuals[ordinal] = residual
+
+    def _seeded(self, ordinal: int, step: int) -> torch.Generator:
+        rank = dist.get_rank(self.process_group)
+        return self._generator.manual_seed(_mix_seed(self.seed, rank, step, ordinal))
+
+    def _begin(self, bucket) -> int:
+        """The step this bucket belongs to; counts the step when the last bucket arrives."""
+        step = self.step
+        if bucket.is_last():
+            self.step += 1
+        return step
+
+    # -- checkpoints -------------------------------------------------------------
+    def _config(self) -> Dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Residuals (by parameter ordinal), step counter and settings; torch.save-able."""
+        return {
+            "kind": self._kind,
+            "version": _STATE_VERSION,
+            "step": self.step,
+            "seed": self.seed,
+            "config": self._config(),
+            "residuals": {ordinal: r.detach().clone() for ordinal, r in sorted(self._residuals.items())},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        _check_kind(self._op, state, self._kind)
+        self.step = int(state["step"])
+        self.seed = int(state.get("seed", self.seed))
+        self._residuals = {int(o): r.detach().to(torch.float32).clone()
+                           for o, r in state.get("residuals", {}).items()}
+
+    def reset_residuals(self) -> None:
+        """Forget the error-feedback residuals (e.g. after changing the model)."""
+        self._residuals.clear()
+
+
+def _check_state(op: str, state, cls) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(f"pycomm {op}: state must be a {cls.__name__} (got {type(state).__name__}); "
+                        f"register it as ddp.register_comm_hook({cls.__name__}(...), {op})")
+
+
+# ---------------------------------------------------------------------------
+# top-k
+# ---------------------------------------------------------------------------
+
+class TopKState(_CompressionState):
+    """State of :func:`topk_hook`.
+
+    ``density``: fraction of each parameter's entries sent per step (at least one).
+    ``error_feedback``: add what was not sent to the next step's gradient.
+    ``warmup_steps``: dense all-reduce for the first synchronised steps.
+    ``exact``: ``torch.topk`` selection; otherwise DGC's sampled threshold (about k
+    entries, padded with zeros to exactly k on the wire).
+    ``seed``: seeds the threshold sampling."""
+
+    _kind = "topk"
+    _op = "topk_hook"
+
+    def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
+                 warmup_steps: int = 0, exact: bool = False, *, seed: int = 0):
+        density = float(density)
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"pycomm topk_hook: density must be in (0, 1] (got {density!r})")
+        super().__init__(process_group, error_feedback, warmup_steps, seed)
+        self.density = density
+        self.exact = bool(exact)
+
+    def _config(self) -> Dict[str, Any]:
+        return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
+                "warmup_steps": self.warmup_steps}
+
+
+# The name pycomm.train's hook discovery derives from "topk_hook".
+TopkState = TopKState
+
+
+def _select(state: TopKState, x: torch.Tensor, k: int, ordinal: int, step: int):
+    if state.exact:
+        return topk_exact(x, k)
+    return topk_approx(x, k, generator=state._seeded(ordinal, step), max_k=k)
+
+
+def _pad(indices: torch.Tensor, values: torch.Tensor, k: int):
+    """Pad to exactly k entries with (index 0 of the parameter, value 0): adds nothing."""
+    short = k - indices.numel()
+    if short <= 0:
+        return indices, values
+    return torch.cat([indices, indices.new_zeros(short)]), torch.cat([values, values.new_zeros(short)])
+
+
+def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
+    _check_state("topk_hook", state, TopKState)
+    buffer = bucket.buffer()
+    group = state.process_group
+    world = _group_size(group)
+    step = state._begin(bucket)
+    if buffer.numel() == 0:
+        return _completed(buffer)
+    segments = state._segments(bucket, buffer)  # also during warm-up: fixes parameter ordinals
+    if step < state.warmup_steps:
+        return _dense_allreduce(buffer, group, world)
+    index_parts, value_parts = [], []
+    for ordinal, offset, numel in segments:
+        x = state._input(buffer, ordinal, offset, numel)
+        k = topk_count(numel, state.density)
+        indices, values = _select(state, x, k, ordinal, step)
+        sent = values.to(buffer.dtype)
+        if state.error_feedback:
+            x[indices] -= sent.to(torch.float32)  # x becomes what was not sent (indices are unique)
+            state._store_residual(ordinal, x)
+        indices, sent = _pad(indices, sent, k)
+        index_parts.append((indices + offset).to(torch.int32))
+        value_parts.append(sent)
+    indices = torch.cat(index_parts)
+    values = torch.cat(value_parts)
+    k_total = indices.numel()
+    value_bytes = buffer.element_size()
+
+    fast = _compressed_collective(group, "topk")
+    if fast is not None:
+        return fast(state, buffer, (indices, values))
+
+    if world * k_total * (4 + value_bytes) >= 2 * buffer.numel() * buffer.element_size():
+        # Denser than the break-even point: a dense all-reduce of the sparsified bucket.
+        sparse = torch.zeros_like(buffer)
+        sparse.index_put_((indices.long(),), values, accumulate=True)
+        buffer.copy_(sparse)
+        return _dense_allreduce(buffer, group, world)
+
+    payload = torch.cat([_as_bytes(indices), _as_bytes(values)])
+    fut, rows = _all_gather_bytes(payload, group, world)
+    split = 4 * k_total
+
+    def decode(_fut):
+        _fut.value()  # re-raises a failed all-gather
+        all_indices = rows[:, :split].contiguous().view(torch.int32).flatten().long()
+        all_values = rows[:, split:].contiguous().view(buffer.dtype).flatten().to(torch.float32)
+        total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        total.index_add_(0, all_indices, all_values)  # rank order: identical sums on every rank
+        buffer.copy_(total.div_(world))
+        return buffer
+
+    return fut.then(decode)
+
+
+# ---------------------------------------------------------------------------
+# quantization
+# ---------------------------------------------------------------------------
+
+class QuantizeState(_CompressionState):
+    """State of :func:`quantize_hook`.
+
+    ``bits``: 8 or 4 (QSGD-style levels, scale = max |x| per block) or 1 (sign, scale =
+    mean |x| per block); ``block``: elements per scale; ``stochastic``: unbiased
+    stochastic rounding for 8/4 bits (1 bit is always deterministic);
+    ``error_feedback``: carry the quantization error to the next step;
+    ``warmup_steps``: dense all-reduce for the first synchronised steps; ``seed``: seeds
+    the stochastic rounding (per rank, step and parameter)."""
+
+    _kind = "quantize"
+    _op = "quantize_hook"
+
+    def __init__(self, process_group=None, bits: int = 8, block: int = 256, stochastic: bool = True,
+                 error_feedback: bool = True, *, warmup_steps: int = 0, seed: int = 0):
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"pycomm quantize_hook: bits must be 8, 4 or 1 (got {bits!r})")
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"pycomm quantize_hook: block must be a positive integer (got {block!r})")
+        super().__init__(process_group, error_feedback, warmup_steps, seed)
+        self.bits = int(bits)
+        self.block = int(block)
+        self.stochastic = bool(stochastic)
+
+    def _config(self) -> Dict[str, Any]:
+        return {"bits": self.bits, "block": self.block, "stochastic": self.stochastic,
+                "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps}
+
+
+def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Blockwise-quantized gradient averaging with error feedback (see the module docstring)."""
+    _check_state("quantize_hook", state, QuantizeState)
+    buffer = bucket.buffer()
+    group = state.process_group
+    world = _group_size(group)
+    step = state._begin(bucket)
+    if buffer.numel() == 0:
+        return _completed(buffer)
+    segments = state._segments(bucket, buffer)  # also during warm-up: fixes parameter ordinals
+    if step < state.warmup_steps:
+        return _dense_allreduce(buffer, group, world)
+    bits, block = state.bits, state.block
+    stochastic = state.stochastic and bits != 1
+    code_parts, scale_parts, layout = [], [], []
+    for ordinal, offset, numel in segments:
+        x = state._input(buffer, ordinal, offset, numel)
+        generator = state._seeded(ordinal, step) if stochastic else None
+        q = quantize_blockwise(x, bits, block, stochastic, generator)
+        if state.error_feedback:
+            state._store_residual(ordinal, x.sub_(dequantize_blockwise(q)))
+        code_parts.append(q.codes)
+        scale_parts.append(q.scales)
+        layout.append((offset, numel, q.codes.numel(), q.scales.numel()))
+    codes = torch.cat(code_parts)
+    scales = torch.cat(scale_parts)
+
+    fast = _compressed_collective(group, "quantize")
+    if fast is not None:
+        return fast(state, buffer, (codes, scales, layout))
+
+    payload = torch.cat([codes, _as_bytes(scales)])
+    fut, rows = _all_gather_bytes(payload, group, world)
+    split = codes.numel()
+
+    def decode(_fut):
+        _fut.value()  # re-raises a failed all-gather
+        all_codes = rows[:, :split]
+        all_scales = rows[:, split:].contiguous().view(torch.float32)
+        total = torch.empty(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        code_at = scale_at = 0
+        for offset, numel, ncodes, nscales in layout:
+            acc = total[offset: offset + numel].zero_()
+            for r in range(world):  # rank order: identical sums on every rank
+                acc += dequantize_blockwise(QuantizedTensor(
+                    all_codes[r, code_at: code_at + ncodes], all_scales[r, scale_at: scale_at + nscales],
+                    numel, bits, block))
+            code_at += ncodes
+            scale_at += nscales
+        buffer.copy_(total.div_(world))
+        return buffer
+
+    return fut.then(decode)
+
+
+# ---------------------------------------------------------------------------
+# 16-bit wrappers
+# ---------------------------------------------------------------------------
+
+def _cast_wrapper(hook: Callable, dtype: torch.dtype, name: str) -> Callable:
+    if not callable(hook):
+        raise TypeError(f"pycomm {name}: hook must be callable (got {type(hook).__name__})")
+
+    def wrapped(state, bucket) -> torch.futures.Future[torch.Tensor]:
+        original = bucket.buffer()
+        bucket.set_buffer(original.to(dtype))
+        fut = hook(state, bucket)
+
+        def restore(f):
+            original.copy_(_future_tensor(f))
+            return original
+
+        return fut.then(restore)
+
+    inner = getattr(hook, "__name__", type(hook).__name__)
+    wrapped.__name__ = f"{name}_{inner}"
+    wrapped.__qualname__ = wrapped.__name__
+    wrapped.__doc__ = f"{inner} on the bucket cast to {dtype} (result cast back to the bucket's dtype)."
+    return wrapped
+
+
+def fp16_wrapper(hook: Callable) -> Callable:
+    """``hook`` run on the bucket cast to float16; the averaged result is copied back into
+    the original (float32) bucket. With :func:`topk_hook` the values travel as float16
+    (6 bytes per entry instead of 8); with :func:`allreduce_hook` it is fp16 compression;
+    with :func:`quantize_hook` only the input is rounded (scales stay float32).
+    Residuals stay float32."""
+    return _cast_wrapper(hook, torch.float16, "fp16_wrapper")
+
+
+def bf16_wrapper(hook: Callable) -> Callable:
+    """As :func:`fp16_wrapper`, with bfloat16."""
+    return _cast_wrapper(hook, torch.bfloat16, "bf16_wrapper")
