@@ -371,18 +371,29 @@ def _pad(indices: torch.Tensor, values: torch.Tensor, k: int):
     return torch.cat([indices, indices.new_zeros(short)]), torch.cat([values, values.new_zeros(short)])
 
 
-def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
-    _check_state("topk_hook", state, TopKState)
+def _start_compressed(name, state, state_class, bucket):
+    """The start every compressed hook shares: counts the step and numbers the
+    bucket's parameters (also during warm-up, which fixes their ordinals). Returns
+    (buffer, group, world, step, segments, done); `done` is a future when this step needs
+    no compression (an empty bucket, or a dense warm-up step)."""
+    _check_state(name, state, state_class)
     buffer = bucket.buffer()
     group = state.process_group
     world = _group_size(group)
     step = state._begin(bucket)
     if buffer.numel() == 0:
-        return _completed(buffer)
-    segments = state._segments(bucket, buffer)  # also during warm-up: fixes parameter ordinals
+        return buffer, group, world, step, None, _completed(buffer)
+    segments = state._segments(bucket, buffer)
     if step < state.warmup_steps:
-        return _dense_allreduce(buffer, group, world)
+        return buffer, group, world, step, segments, _dense_allreduce(buffer, group, world)
+    return buffer, group, world, step, segments, None
+
+
+def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
+    buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket)
+    if done is not None:
+        return done
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
         x = state._input(buffer, ordinal, offset, numel)
@@ -462,16 +473,9 @@ class QuantizeState(_CompressionState):
 
 def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Blockwise-quantized gradient averaging with error feedback (see the module docstring)."""
-    _check_state("quantize_hook", state, QuantizeState)
-    buffer = bucket.buffer()
-    group = state.process_group
-    world = _group_size(group)
-    step = state._begin(bucket)
-    if buffer.numel() == 0:
-        return _completed(buffer)
-    segments = state._segments(bucket, buffer)  # also during warm-up: fixes parameter ordinals
-    if step < state.warmup_steps:
-        return _dense_allreduce(buffer, group, world)
+    buffer, group, world, step, segments, done = _start_compressed("quantize_hook", state, QuantizeState, bucket)
+    if done is not None:
+        return done
     bits, block = state.bits, state.block
     stochastic = state.stochastic and bits != 1
     code_parts, scale_parts, layout = [], [], []

@@ -10,6 +10,7 @@
 #include "algorithms/collectives.h"
 #include "common/stats.h"
 #include "backend/process_group.h"
+#include "backend/tensor_types.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/loopback.h"
 
@@ -20,22 +21,6 @@ namespace pycomm {
 void registerKernelBindings(py::module_& m);  // kernel_bindings.cc
 
 namespace {
-
-DataType dataTypeOf(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DataType::kFloat32;
-    case at::kDouble: return DataType::kFloat64;
-    case at::kHalf: return DataType::kFloat16;
-    case at::kBFloat16: return DataType::kBFloat16;
-    case at::kChar: return DataType::kInt8;
-    case at::kShort: return DataType::kInt16;
-    case at::kInt: return DataType::kInt32;
-    case at::kLong: return DataType::kInt64;
-    case at::kByte: return DataType::kUInt8;
-    case at::kBool: return DataType::kBool;
-    default: throw std::invalid_argument("unsupported dtype");
-  }
-}
 
 ReduceOp reduceOpOf(const std::string& name) {
   static const std::pair<const char*, ReduceOp> ops[] = {
@@ -78,7 +63,7 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
                     segmentBytes);
           comm.begin(collective);
           const at::Tensor& t = tensors[r];
-          const DataType dtype = dataTypeOf(t);
+          const DataType dtype = toDataType("loopback", t.scalar_type());
           char* data = static_cast<char*>(t.data_ptr());
           const size_t count = static_cast<size_t>(t.numel());
           const size_t bytes = t.nbytes();

@@ -8,20 +8,13 @@
 #include <cstring>
 
 #include "backend/store_adapter.h"
+#include "backend/tensor_types.h"
 #include "common/logging.h"
 #include "common/stats.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/tcp.h"
 
 namespace pycomm {
-namespace {
-
-using c10d::OpType;
-using Tensors = std::vector<at::Tensor>;
-
-[[noreturn]] void usage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
-
-std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
 
 DataType toDataType(const char* op, at::ScalarType type) {
   switch (type) {
@@ -36,11 +29,20 @@ DataType toDataType(const char* op, at::ScalarType type) {
     case at::kByte: return DataType::kUInt8;
     case at::kBool: return DataType::kBool;
     default:
-      C10_THROW_ERROR(TypeError, where(op) + "unsupported dtype " + c10::toString(type) +
+      C10_THROW_ERROR(TypeError, std::string("pycomm ") + op + ": unsupported dtype " + c10::toString(type) +
                                      " (supported: float32, float64, float16, bfloat16, int8, "
                                      "int16, int32, int64, uint8, bool)");
   }
 }
+
+namespace {
+
+using c10d::OpType;
+using Tensors = std::vector<at::Tensor>;
+
+[[noreturn]] void usage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
+
+std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
 
 DataType checkTensor(const char* op, const at::Tensor& t) {
   if (!t.defined()) usage(where(op) + "got an undefined tensor");
