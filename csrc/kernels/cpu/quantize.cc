@@ -102,6 +102,35 @@ PYCOMM_ALWAYS_INLINE int32_t codeOf(float v, float u) {
   return c;
 }
 
+// Packs 8 signs per byte, lowest bit first; bit 1 decodes to +scale, bit 0 to
+// -scale. bitOf(j, v) decides element j's bit. With EF, also writes
+// e[base + j] = v - decode(bit).
+template <bool EF, typename Source, typename BitOf>
+PYCOMM_ALWAYS_INLINE void packSigns(const Source& src, float* e, size_t base, size_t n, float scale,
+                                    const BitOf& bitOf, uint8_t* __restrict codes) {
+  const size_t full = n / 8;
+  for (size_t b = 0; b < full; ++b) {  // fixed 8 lanes: the loop the compiler vectorizes
+    uint32_t byte = 0;
+    for (int l = 0; l < 8; ++l) {
+      const float v = src(base + 8 * b + l);
+      const uint32_t bit = bitOf(8 * b + l, v);
+      byte |= bit << l;
+      if constexpr (EF) e[base + 8 * b + l] = v - (bit ? scale : -scale);
+    }
+    codes[b] = static_cast<uint8_t>(byte);
+  }
+  if (n % 8) {
+    uint32_t byte = 0;
+    for (size_t l = 0; l < n % 8; ++l) {
+      const float v = src(base + 8 * full + l);
+      const uint32_t bit = bitOf(8 * full + l, v);
+      byte |= bit << l;
+      if constexpr (EF) e[base + 8 * full + l] = v - (bit ? scale : -scale);
+    }
+    codes[full] = static_cast<uint8_t>(byte);
+  }
+}
+
 // Quantizes one block of n elements src(base + j), j < n, into out (scale, codes);
 // with EF, also writes e[base + j] = v - decode(code).
 template <int Bits, bool Stochastic, bool EF, typename Source, typename Uniform>
@@ -119,27 +148,7 @@ PYCOMM_ALWAYS_INLINE void quantizeBlock(const Source& src, float* e, size_t base
                       ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     const float scale = sum / static_cast<float>(n);
     storeScale(out, scale);
-    const size_t full = n / 8;
-    for (size_t b = 0; b < full; ++b) {
-      uint32_t byte = 0;
-      for (int l = 0; l < 8; ++l) {
-        const float v = src(base + 8 * b + l);
-        const uint32_t bit = v >= 0.0f ? 1u : 0u;
-        byte |= bit << l;
-        if constexpr (EF) e[base + 8 * b + l] = v - (bit ? scale : -scale);
-      }
-      codes[b] = static_cast<uint8_t>(byte);
-    }
-    if (n % 8) {
-      uint32_t byte = 0;
-      for (size_t l = 0; l < n % 8; ++l) {
-        const float v = src(base + 8 * full + l);
-        const uint32_t bit = v >= 0.0f ? 1u : 0u;
-        byte |= bit << l;
-        if constexpr (EF) e[base + 8 * full + l] = v - (bit ? scale : -scale);
-      }
-      codes[full] = static_cast<uint8_t>(byte);
-    }
+    packSigns<EF>(src, e, base, n, scale, [](size_t, float v) { return v >= 0.0f ? 1u : 0u; }, codes);
     return;
   } else {
     uint32_t maxBits = 0;
@@ -184,30 +193,11 @@ PYCOMM_ALWAYS_INLINE void quantizeBlock(const Source& src, float* e, size_t base
     } else {  // 1-bit stochastic
       const float half = 0.5f * inv;  // inv = 1 / max|v|
       auto bitOf = [&](size_t j, float v) -> uint32_t {
+        if (!(maxAbs > 0.0f)) return 1u;
         const float p = 0.5f + v * half;
         return uniform(j) < p ? 1u : 0u;
       };
-      const size_t full = n / 8;
-      for (size_t b = 0; b < full; ++b) {
-        uint32_t byte = 0;
-        for (int l = 0; l < 8; ++l) {
-          const float v = src(base + 8 * b + l);
-          const uint32_t bit = maxAbs > 0.0f ? bitOf(8 * b + l, v) : 1u;
-          byte |= bit << l;
-          if constexpr (EF) e[base + 8 * b + l] = v - (bit ? scale : -scale);
-        }
-        codes[b] = static_cast<uint8_t>(byte);
-      }
-      if (n % 8) {
-        uint32_t byte = 0;
-        for (size_t l = 0; l < n % 8; ++l) {
-          const float v = src(base + 8 * full + l);
-          const uint32_t bit = maxAbs > 0.0f ? bitOf(8 * full + l, v) : 1u;
-          byte |= bit << l;
-          if constexpr (EF) e[base + 8 * full + l] = v - (bit ? scale : -scale);
-        }
-        codes[full] = static_cast<uint8_t>(byte);
-      }
+      packSigns<EF>(src, e, base, n, scale, bitOf, codes);
     }
   }
 }
