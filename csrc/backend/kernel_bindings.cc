@@ -160,17 +160,24 @@ std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, do
   });
 }
 
+// The checked options of a quantize call (bits, block, rounding, seed).
+QuantizeOptions quantizeOptions(const char* op, int64_t bits, int64_t block, bool stochastic,
+                                int64_t seed) {
+  QuantizeOptions opts;
+  opts.bits = static_cast<int>(bits);
+  opts.block = checkBlock(op, block);
+  opts.stochastic = stochastic;
+  opts.seed = static_cast<uint64_t>(seed);
+  checkQuantizeOptions(op, opts.bits, opts.block);
+  return opts;
+}
+
 at::Tensor quantizeTensor(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic,
                           int64_t seed, const std::optional<at::Tensor>& outArg) {
   checkFloatTensor("quantize", "x", x);
   checkSeed("quantize", seed);
   return translate([&] {
-    QuantizeOptions opts;
-    opts.bits = static_cast<int>(bits);
-    opts.block = checkBlock("quantize", block);
-    opts.stochastic = stochastic;
-    opts.seed = static_cast<uint64_t>(seed);
-    checkQuantizeOptions("quantize", opts.bits, opts.block);
+    const QuantizeOptions opts = quantizeOptions("quantize", bits, block, stochastic, seed);
     const size_t n = static_cast<size_t>(x.numel());
     at::Tensor out = outputOf("quantize", outArg,
                               static_cast<int64_t>(packedSize(n, opts.bits, opts.block)), at::kByte);
@@ -192,12 +199,7 @@ at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t 
                std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
   if (g.is_same(e)) raiseUsage("pycomm quantize_ef: g and e must be different tensors");
   return translate([&] {
-    QuantizeOptions opts;
-    opts.bits = static_cast<int>(bits);
-    opts.block = checkBlock("quantize_ef", block);
-    opts.stochastic = stochastic;
-    opts.seed = static_cast<uint64_t>(seed);
-    checkQuantizeOptions("quantize_ef", opts.bits, opts.block);
+    const QuantizeOptions opts = quantizeOptions("quantize_ef", bits, block, stochastic, seed);
     const size_t n = static_cast<size_t>(g.numel());
     at::Tensor out = outputOf("quantize_ef", outArg,
                               static_cast<int64_t>(packedSize(n, opts.bits, opts.block)), at::kByte);
