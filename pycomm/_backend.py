@@ -47,6 +47,7 @@ def _create_backend(dist_opts, backend_options=None):
         global_ranks=[int(r) for r in dist_opts.global_ranks_in_group],
         check_calls=config.check_calls,
         store_prefix=_store_prefix(),
+        transport=config.transport,
     )
 
 

@@ -3,7 +3,13 @@
 =====================  =========  ==================================================
 variable               default    meaning
 =====================  =========  ==================================================
-PYCOMM_ALGO            auto       all-reduce algorithm: auto, ring, tree or sharded
+PYCOMM_ALGO            auto       all-reduce algorithm: auto, ring, tree, sharded or
+                                  shm (auto takes shm when every rank of the group
+                                  shares a host, else the cost model's choice)
+PYCOMM_TRANSPORT       auto       auto: shared memory among ranks on one host (same
+                                  hostname, boot id and namespaces), TCP between
+                                  hosts; shm: the same, and a failure to set up
+                                  shared memory is an error; tcp: TCP only
 PYCOMM_SEGMENT_BYTES   262144     pipeline segment size in bytes
 PYCOMM_SOCKET_IFNAME   (unset)    network interface to listen on (e.g. eth0)
 PYCOMM_CHECK           0          1 makes ranks compare each collective's call (op,
@@ -31,8 +37,9 @@ import struct
 
 __all__ = ["Config", "load_config", "bind_address", "ENV_VARS"]
 
-ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK", "PYCOMM_DEBUG")
-ALGORITHMS = ("auto", "ring", "tree", "sharded")
+ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK", "PYCOMM_DEBUG")
+ALGORITHMS = ("auto", "ring", "tree", "sharded", "shm")
+TRANSPORTS = ("auto", "shm", "tcp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,7 @@ class Config:
     segment_bytes: int = 256 * 1024
     socket_ifname: str | None = None
     check_calls: bool = False
+    transport: str = "auto"
 
 
 def load_config(environ=None) -> Config:
@@ -57,11 +65,17 @@ def load_config(environ=None) -> Config:
         raise ValueError(f"pycomm: PYCOMM_SEGMENT_BYTES={raw_segment!r} is not an integer") from None
     if segment < 64:
         raise ValueError(f"pycomm: PYCOMM_SEGMENT_BYTES={segment} is too small (minimum 64)")
+    transport = env.get("PYCOMM_TRANSPORT", "auto").strip().lower() or "auto"
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"pycomm: PYCOMM_TRANSPORT={transport!r} is not one of {', '.join(TRANSPORTS)}"
+        )
     ifname = env.get("PYCOMM_SOCKET_IFNAME") or None
     check = env.get("PYCOMM_CHECK", "0").strip() not in ("", "0") or (
         env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
     )
-    return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check)
+    return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
+                  transport=transport)
 
 
 def _interface_address(ifname: str) -> str:

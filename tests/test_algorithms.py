@@ -12,7 +12,7 @@ import torch
 
 from pycomm import _C
 
-ALGOS = ["ring", "tree", "sharded"]
+ALGOS = ["ring", "tree", "sharded", "shm"]
 WORLDS = list(range(1, 10))
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -214,3 +214,10 @@ def test_stats_count_ring_bytes_exactly():
     assert stats["bytes_received"] == stats["bytes_sent"]
     pycomm.reset_stats()
     assert pycomm.stats()["bytes_sent"] == 0
+
+
+def test_auto_selection_takes_shm_on_one_host():
+    for n in (2, 3, 8):
+        assert _C._select_algorithm(8, n, one_host=True) == "shm"
+        assert _C._select_algorithm(64 << 20, n, one_host=True) == "shm"
+    assert _C._select_algorithm(8, 1, one_host=True) != "shm"  # nothing to exchange

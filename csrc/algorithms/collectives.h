@@ -13,13 +13,18 @@
 
 namespace pycomm {
 
-enum class AllreduceAlgorithm { kAuto, kRing, kTree, kSharded };
+enum class AllreduceAlgorithm { kAuto, kRing, kTree, kSharded, kShm };
 
 const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm);
-// Parses "auto" | "ring" | "tree" | "sharded"; throws a usage error otherwise.
+// Parses "auto" | "ring" | "tree" | "sharded" | "shm"; throws a usage error otherwise.
 AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name);
-// The algorithm kAuto resolves to (alpha-beta cost model, select.cc).
-AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int worldSize);
+// The algorithm kAuto resolves to: shm when every rank shares the node-local
+// arena (`onOneHost`), else the alpha-beta cost model (select.cc).
+AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int worldSize, bool onOneHost = false);
+// Whether comm's arena spans the whole group (trivially true for one rank).
+inline bool onOneHost(const Comm& comm) {
+  return comm.size() == 1 || (comm.arena() != nullptr && comm.arena()->localSize() == comm.size());
+}
 
 // All-reduce in place. Resolves kAuto, finishes AVG with a division.
 void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
@@ -31,6 +36,10 @@ void allreduceTree(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp
 // Each rank owns one shard: reduce-scatter to owners then all-gather, by
 // recursive halving/doubling for power-of-two groups, direct exchange otherwise.
 void allreduceSharded(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+
+// Through the node-local shared-memory arena (comm.arena(), every rank of the
+// group on one host), segment by segment (allreduce_shm.cc).
+void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
 
 // Ring phases over chunks that may live in separate buffers: chunk i has
 // counts[i] elements at chunks[i]. Reduce-scatter leaves chunk r fully reduced

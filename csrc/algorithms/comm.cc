@@ -38,6 +38,26 @@ void Comm::wait(const RequestPtr& request) {
   if (request->failed()) throwError(ErrorKind::kConnection, prefix(), ": ", request->error());
 }
 
+void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
+  bool timedOut = false;
+  const std::string failure = arena_->waitFor(peer, phase, value, deadline_, &timedOut);
+  if (failure.empty()) return;
+  const std::string peerName = transport_.rankName(arena_->members()[peer]);
+  if (timedOut) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
+    throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
+               seconds, " s waiting for ", peerName,
+               " (did it call the same collective? is it alive? shared-memory step ", value, ")");
+  }
+  throwError(ErrorKind::kConnection, prefix(), ": ", failure);
+}
+
+void Comm::waitArenaAll(ShmArena::Phase phase, uint64_t value) {
+  for (int j = 0; j < arena_->localSize(); ++j)
+    if (j != arena_->localRank()) waitArena(j, phase, value);
+}
+
 void Comm::waitAll(std::vector<RequestPtr>& requests) {
   for (auto& request : requests) wait(request);
   requests.clear();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "transport/shm_arena.h"
 #include "transport/transport.h"
 
 namespace pycomm {
@@ -49,6 +50,16 @@ class Comm {
   void wait(const RequestPtr& request);
   void waitAll(std::vector<RequestPtr>& requests);
 
+  // The node-local shared-memory arena, when the group has one (ranks that
+  // share a host); shm-native algorithms use it, the others ignore it.
+  ShmArena* arena() const { return arena_; }
+  void setArena(ShmArena* arena) { arena_ = arena; }
+  // Waits until local rank `peer` of the arena has published `phase` >= value,
+  // before the deadline; failures and timeouts throw like wait().
+  void waitArena(int peer, ShmArena::Phase phase, uint64_t value);
+  // The same for every other local rank.
+  void waitArenaAll(ShmArena::Phase phase, uint64_t value);
+
   // Scratch memory that outlives one collective (not zeroed): slot `slot` holds
   // at least `bytes` bytes until the next call for the same slot. Reusing it
   // spares every large collective an allocation and its page faults.
@@ -64,6 +75,7 @@ class Comm {
   Clock::time_point deadline_;
   std::string op_;
   std::string algorithm_;
+  ShmArena* arena_ = nullptr;
   std::vector<std::unique_ptr<char[]>> scratch_;
   std::vector<size_t> scratchBytes_;
 };

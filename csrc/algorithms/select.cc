@@ -7,7 +7,8 @@
 //            2 alpha + (n-1) gamma + 2(n-1)/n S beta   (other n; n-1 messages in flight)
 //   tree:    2 log2(n) alpha + 2 log2(n) S beta    (the root link carries every child)
 // The constants are per-message and per-byte costs of the TCP transport on one
-// host; PYCOMM_ALGO or pycomm.set_algorithm() override the choice.
+// host; PYCOMM_ALGO or pycomm.set_algorithm() override the choice. Groups whose
+// ranks all share a host use the shared-memory arena (allreduce_shm.cc) instead.
 #include <cmath>
 
 #include "algorithms/collectives.h"
@@ -27,6 +28,7 @@ const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm) {
     case AllreduceAlgorithm::kRing: return "ring";
     case AllreduceAlgorithm::kTree: return "tree";
     case AllreduceAlgorithm::kSharded: return "sharded";
+    case AllreduceAlgorithm::kShm: return "shm";
   }
   return "unknown";
 }
@@ -36,11 +38,13 @@ AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name) {
   if (name == "ring") return AllreduceAlgorithm::kRing;
   if (name == "tree") return AllreduceAlgorithm::kTree;
   if (name == "sharded") return AllreduceAlgorithm::kSharded;
+  if (name == "shm") return AllreduceAlgorithm::kShm;
   throwError(ErrorKind::kUsage, "pycomm: unknown all-reduce algorithm '", name,
-             "' (expected auto, ring, tree or sharded)");
+             "' (expected auto, ring, tree, sharded or shm)");
 }
 
-AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int n) {
+AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int n, bool oneHost) {
+  if (oneHost && n > 1) return AllreduceAlgorithm::kShm;
   if (n <= 2) return bytes <= 4096 ? AllreduceAlgorithm::kTree : AllreduceAlgorithm::kRing;
   const double s = static_cast<double>(bytes);
   const double steps = std::ceil(std::log2(static_cast<double>(n)));

@@ -13,6 +13,8 @@
 #include "backend/tensor_types.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/loopback.h"
+#include "transport/memory_store.h"
+#include "transport/shm_arena.h"
 
 namespace py = pybind11;
 
@@ -52,6 +54,11 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
     else outputs[r] = t;
   }
   std::vector<std::string> errors(n);
+  // algorithm "shm": the ranks (threads) share a node-local arena whose slots
+  // are `segmentBytes` (rounded up to 4 KiB) so small segments pipeline.
+  MemoryStore store;
+  std::vector<int> everyone(n);
+  for (int r = 0; r < n; ++r) everyone[r] = r;
   {
     py::gil_scoped_release release;
     std::vector<std::thread> threads;
@@ -61,6 +68,11 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
           LoopbackTransport transport(fabric, r);
           Comm comm(transport, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
                     segmentBytes);
+          std::unique_ptr<ShmArena> arena;
+          if (algo == AllreduceAlgorithm::kShm && n > 1) {
+            arena = std::make_unique<ShmArena>(store, "loopback/", everyone, r, segmentBytes, 4);
+            comm.setArena(arena.get());
+          }
           comm.begin(collective);
           const at::Tensor& t = tensors[r];
           const DataType dtype = toDataType("loopback", t.scalar_type());
@@ -127,7 +139,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        double timeoutSeconds, const std::string& bindAddress, size_t segmentBytes,
                        const std::string& algorithm, std::vector<int> globalRanks,
-                       bool checkCalls, const std::string& storePrefix) {
+                       bool checkCalls, const std::string& storePrefix,
+                       const std::string& transport) {
              pycomm::GroupConfig config;
              config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000));
              config.bindAddress = bindAddress;
@@ -136,12 +149,13 @@ PYBIND11_MODULE(_C, m) {
              config.globalRanks = std::move(globalRanks);
              config.checkCalls = checkCalls;
              config.storePrefix = storePrefix;
+             config.transport = transport;
              return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
            py::arg("bind_address"), py::arg("segment_bytes"), py::arg("algorithm"),
            py::arg("global_ranks"), py::arg("check_calls") = false,
-           py::arg("store_prefix") = "pycomm/",
+           py::arg("store_prefix") = "pycomm/", py::arg("transport") = "auto",
            py::call_guard<py::gil_scoped_release>())
       .def("set_algorithm", &ProcessGroupPycomm::setAlgorithm, py::arg("name"))
       .def("get_algorithm", &ProcessGroupPycomm::algorithm)
@@ -176,9 +190,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_reset_stats", [] { pycomm::Stats::instance().reset(); });
   pycomm::registerKernelBindings(m);
   m.def("_select_algorithm",
-        [](size_t bytes, int worldSize) {
+        [](size_t bytes, int worldSize, bool oneHost) {
           return std::string(pycomm::allreduceAlgorithmName(
-              pycomm::selectAllreduceAlgorithm(bytes, worldSize)));
+              pycomm::selectAllreduceAlgorithm(bytes, worldSize, oneHost)));
         },
-        py::arg("nbytes"), py::arg("world_size"));
+        py::arg("nbytes"), py::arg("world_size"), py::arg("one_host") = false);
 }

@@ -12,6 +12,8 @@
 #include "common/logging.h"
 #include "common/stats.h"
 #include "kernels/cpu/reduce.h"
+#include "transport/shm_arena.h"
+#include "transport/shm_segment.h"
 #include "transport/tcp.h"
 
 namespace pycomm {
@@ -36,6 +38,11 @@ DataType toDataType(const char* op, at::ScalarType type) {
 }
 
 namespace {
+
+// The node-local arena: slots per rank and their size (allreduce_shm.cc's
+// segment). 4 x 256 KiB per rank stays inside this machine's L2/L3.
+constexpr size_t kArenaSlotBytes = 256 * 1024;
+constexpr int kArenaDepth = 4;
 
 using c10d::OpType;
 using Tensors = std::vector<at::Tensor>;
@@ -161,13 +168,29 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
   options.bindAddress = config_.bindAddress;
   options.connectTimeout = config_.timeout;
   options.storePrefix = config_.storePrefix;
+  if (config_.transport != "auto" && config_.transport != "shm" && config_.transport != "tcp")
+    usage(strCat("pycomm: unknown transport '", config_.transport, "' (expected auto, shm or tcp)"));
   std::shared_ptr<Transport> transport;
+  std::shared_ptr<ShmArena> arena;
   try {
+    std::vector<int> local;
+    if (config_.transport != "tcp" && size > 1)
+      local = localRanks(adapter, config_.storePrefix, rank, size);
     transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
+    if (local.size() > 1) {
+      arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, kArenaSlotBytes,
+                                         kArenaDepth);
+      std::weak_ptr<Transport> named = transport;
+      arena->setRankNamer([named](int r) {
+        auto t = named.lock();
+        return t ? t->rankName(r) : "rank " + std::to_string(r);
+      });
+    }
   } catch (const Error& e) {
     C10_THROW_ERROR(DistNetworkError, e.what());
   }
   group_ = std::make_shared<GroupState>(std::move(transport));
+  group_->setArena(std::move(arena));
   start();
 }
 
@@ -181,6 +204,11 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Transport> transport, Gro
 void ProcessGroupPycomm::start() {
   algorithm_ = static_cast<int>(parseAllreduceAlgorithm(config_.algorithm));
   comm_ = std::make_unique<Comm>(group_->transport(), config_.timeout, config_.segmentBytes);
+  comm_->setArena(group_->arena());
+  if (static_cast<AllreduceAlgorithm>(algorithm_.load()) == AllreduceAlgorithm::kShm &&
+      !onOneHost(*comm_) && getSize() > 1)
+    usage("pycomm: PYCOMM_ALGO=shm needs every rank of the group on one host "
+          "(and PYCOMM_TRANSPORT other than tcp)");
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -304,7 +332,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
 
 void ProcessGroupPycomm::setAlgorithm(const std::string& name) {
   try {
-    algorithm_ = static_cast<int>(parseAllreduceAlgorithm(name));
+    const AllreduceAlgorithm parsed = parseAllreduceAlgorithm(name);
+    PYCOMM_CHECK_USAGE(parsed != AllreduceAlgorithm::kShm || onOneHost(*comm_),
+                       "pycomm: the shm algorithm needs every rank of the group on one host "
+                       "(and PYCOMM_TRANSPORT other than tcp)");
+    algorithm_ = static_cast<int>(parsed);
   } catch (const Error& e) {
     usage(e.what());
   }
@@ -316,7 +348,8 @@ std::string ProcessGroupPycomm::algorithm() const {
 
 std::string ProcessGroupPycomm::selectAlgorithm(size_t bytes) const {
   auto chosen = static_cast<AllreduceAlgorithm>(algorithm_.load());
-  if (chosen == AllreduceAlgorithm::kAuto) chosen = selectAllreduceAlgorithm(bytes, getSize());
+  if (chosen == AllreduceAlgorithm::kAuto)
+    chosen = selectAllreduceAlgorithm(bytes, getSize(), onOneHost(*comm_));
   return allreduceAlgorithmName(chosen);
 }
 
@@ -351,7 +384,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
                    const size_t bytes = t.nbytes();
                    auto algorithm = static_cast<AllreduceAlgorithm>(algorithm_.load());
                    if (algorithm == AllreduceAlgorithm::kAuto)
-                     algorithm = selectAllreduceAlgorithm(bytes, c.size());
+                     algorithm = selectAllreduceAlgorithm(bytes, c.size(), onOneHost(c));
                    lastAlgorithm_ = static_cast<int>(algorithm);
                    if (debugEnabled())
                      debugLog(strCat("allreduce ", bytes, " B on ", c.size(), " ranks: ",

@@ -48,6 +48,9 @@ struct GroupConfig {
   // Prefix of pycomm's keys in torch's store; differs per torchrun restart so a new
   // attempt never reads the addresses the failed one left behind.
   std::string storePrefix = "pycomm/";
+  // "auto": shared memory among ranks on one host, TCP between hosts; "shm": the
+  // same, but failing to set up shared memory is an error; "tcp": TCP only.
+  std::string transport = "auto";
 };
 
 class ProcessGroupPycomm : public c10d::Backend {

@@ -17,7 +17,10 @@ std::string GroupState::fail(const std::string& message) {
     }
     recorded = failure_;
   }
-  if (first) transport_->abort(message);
+  if (first) {
+    if (arena_) arena_->abort(message);
+    transport_->abort(message);
+  }
   return recorded;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/shm_arena.h"
 #include "transport/transport.h"
 
 namespace pycomm {
@@ -25,11 +26,15 @@ class GroupState {
   std::string failure();
   Transport& transport() { return *transport_; }
   const std::shared_ptr<Transport>& transportPtr() { return transport_; }
+  // The node-local arena, when ranks share a host (aborted with the transport).
+  void setArena(std::shared_ptr<ShmArena> arena) { arena_ = std::move(arena); }
+  ShmArena* arena() { return arena_.get(); }
 
  private:
   std::mutex mutex_;
   std::string failure_;
   std::shared_ptr<Transport> transport_;
+  std::shared_ptr<ShmArena> arena_;
 };
 
 // Converts a failure message into the exception torch surfaces in Python as

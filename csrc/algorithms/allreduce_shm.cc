@@ -1,0 +1,77 @@
+// All-reduce through the node-local shared-memory arena (every rank of the
+// group on one host). Per segment of `slotBytes`: each rank copies its segment
+// into its slot (kPosted); then either
+//  - every rank reduces the whole segment out of all slots into its buffer
+//    (small segments, or two ranks: one synchronisation per segment), or
+//  - rank r reduces sub-chunk r of the segment in place in its own slot
+//    (kReduced), and every rank copies all reduced sub-chunks out (kConsumed).
+// A slot is refilled only after every rank consumed what it held `depth`
+// segments ago, so fast ranks run ahead by up to depth - 1 segments.
+// Results are bit-identical on every rank: in the split form each element is
+// reduced once, by one rank; in the whole form every rank reduces in rank order
+// (for SUM/PRODUCT of two ranks, commutativity makes the order irrelevant).
+#include <algorithm>
+#include <cstring>
+
+#include "algorithms/collectives.h"
+#include "kernels/cpu/reduce.h"
+
+namespace pycomm {
+namespace {
+
+// Segments up to a quarter of a slot (64 KiB with the default slots) are
+// reduced whole by every rank: one synchronisation instead of two.
+constexpr size_t kReduceAllDivisor = 4;
+
+bool commutativeBitwise(ReduceOp op) { return op == ReduceOp::kSum || op == ReduceOp::kProduct; }
+
+}  // namespace
+
+void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) {
+  if (comm.size() == 1 || count == 0) return;
+  PYCOMM_CHECK_INTERNAL(onOneHost(comm), "shm all-reduce needs every rank on one host");
+  ShmArena& arena = *comm.arena();
+  const int n = arena.localSize();
+  const int me = arena.localRank();
+  const size_t elem = elementSize(dtype);
+  const size_t segmentElems = arena.slotBytes() / elem;
+  const int depth = arena.depth();
+  char* data = static_cast<char*>(buf);
+  uint64_t bytesIn = 0, bytesOut = 0;
+  for (size_t offset = 0; offset < count; offset += segmentElems) {
+    const size_t elems = std::min(segmentElems, count - offset);
+    const size_t bytes = elems * elem;
+    char* mine = data + offset * elem;
+    const uint64_t g = arena.nextSegment();
+    if (g >= static_cast<uint64_t>(depth)) comm.waitArenaAll(ShmArena::kConsumed, g - depth + 1);
+    std::memcpy(arena.slot(me, g), mine, bytes);
+    arena.publish(ShmArena::kPosted, g + 1);
+    bytesIn += bytes;
+    comm.waitArenaAll(ShmArena::kPosted, g + 1);
+    if (n == 2 && commutativeBitwise(op)) {
+      reduceInto(mine, arena.slot(1 - me, g), elems, dtype, op);
+      bytesOut += bytes;
+    } else if (bytes <= arena.slotBytes() / kReduceAllDivisor) {
+      std::memcpy(mine, arena.slot(0, g), bytes);
+      for (int j = 1; j < n; ++j) reduceInto(mine, arena.slot(j, g), elems, dtype, op);
+      bytesOut += (n - 1) * bytes;
+    } else {
+      const std::vector<size_t> sub = balancedOffsets(elems, n);
+      const size_t at = sub[me] * elem;
+      // Rank me reduces its sub-chunk in place in its own slot; nobody else
+      // reads that part of the slot before kReduced.
+      char* own = arena.slot(me, g) + at;
+      for (int j = 0; j < n; ++j)
+        if (j != me) reduceInto(own, arena.slot(j, g) + at, sub[me + 1] - sub[me], dtype, op);
+      arena.publish(ShmArena::kReduced, g + 1);
+      comm.waitArenaAll(ShmArena::kReduced, g + 1);
+      for (int j = 0; j < n; ++j)
+        std::memcpy(mine + sub[j] * elem, arena.slot(j, g) + sub[j] * elem, (sub[j + 1] - sub[j]) * elem);
+      bytesOut += bytes;
+    }
+    arena.publish(ShmArena::kConsumed, g + 1);
+  }
+  arena.countBytes(bytesIn, bytesOut);
+}
+
+}  // namespace pycomm

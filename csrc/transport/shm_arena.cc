@@ -1,0 +1,138 @@
+#include "transport/shm_arena.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+#include "common/stats.h"
+
+namespace pycomm {
+namespace {
+
+constexpr uint64_t kMagic = 0x70796361726e6131ull;  // "pycarna1"
+
+struct Header {
+  uint64_t magic;
+  uint64_t localSize;
+  uint64_t slotBytes;
+  uint64_t depth;
+};
+
+size_t roundUp(size_t value, size_t to) { return (value + to - 1) / to * to; }
+
+}  // namespace
+
+ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<int> members,
+                   int self, size_t slotBytes, int depth)
+    : members_(std::move(members)), slotBytes_(roundUp(slotBytes, 4096)), depth_(depth) {
+  auto it = std::find(members_.begin(), members_.end(), self);
+  PYCOMM_CHECK_INTERNAL(it != members_.end() && depth_ > 0, "bad arena membership");
+  localRank_ = static_cast<int>(it - members_.begin());
+  const size_t n = members_.size();
+  slotsOffset_ = roundUp(sizeof(Header) + n * sizeof(Control), 4096);
+  const size_t bytes = slotsOffset_ + n * static_cast<size_t>(depth_) * slotBytes_;
+  mapSharedSegment(segment_, store, prefix, "arena", members_, self, bytes);
+  auto* header = reinterpret_cast<Header*>(segment_.data());
+  if (localRank_ == 0) *header = {kMagic, n, slotBytes_, static_cast<uint64_t>(depth_)};
+  // Everyone has mapped the segment (mapSharedSegment waited), but the header
+  // written above may not be visible yet to others: they only read what they own.
+  control(localRank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
+  spin_ = spinBudget(static_cast<int>(n));
+}
+
+std::string ShmArena::rankName(int groupRank) const {
+  return namer_ ? namer_(groupRank) : "rank " + std::to_string(groupRank);
+}
+
+ShmArena::Control& ShmArena::control(int localRank) const {
+  return reinterpret_cast<Control*>(segment_.data() + sizeof(Header))[localRank];
+}
+
+char* ShmArena::slot(int localRank, uint64_t segment) const {
+  const size_t index = static_cast<size_t>(localRank) * depth_ + segment % depth_;
+  return segment_.data() + slotsOffset_ + index * slotBytes_;
+}
+
+void ShmArena::publish(Phase phase, uint64_t value) {
+  Control& c = control(localRank_);
+  c.counter[phase].store(value, std::memory_order_release);
+  c.doorbell.fetch_add(1, std::memory_order_seq_cst);
+  if (c.sleepers.load(std::memory_order_seq_cst) > 0) futexWakeAll(&c.doorbell);
+}
+
+std::string ShmArena::peerFailure(int peer, bool checkAlive) {
+  for (int j = 0; j < localSize(); ++j) {
+    Control& c = control(j);
+    if (j != localRank_ && c.aborted.load(std::memory_order_acquire)) {
+      return strCat(rankName(members_[j]), " aborted the group: ",
+                    std::string(c.reason, strnlen(c.reason, sizeof(c.reason))));
+    }
+  }
+  if (checkAlive) {
+    const int pid = control(peer).pid.load(std::memory_order_acquire);
+    if (!processAlive(pid)) return strCat(rankName(members_[peer]), " exited (process ", pid, " is gone)");
+  }
+  return "";
+}
+
+std::string ShmArena::waitFor(int peer, Phase phase, uint64_t value, Clock::time_point deadline,
+                              bool* timedOut) {
+  *timedOut = false;
+  Control& c = control(peer);
+  auto ready = [&] { return c.counter[phase].load(std::memory_order_acquire) >= value; };
+  if (ready()) return "";
+  const auto spinEnd = Clock::now() + spin_;
+  do {
+    for (int i = 0; i < 64; ++i) cpuRelax();
+    if (ready()) return "";
+  } while (Clock::now() < spinEnd);
+  auto lastCheck = Clock::now();
+  for (;;) {
+    c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = c.doorbell.load(std::memory_order_seq_cst);
+    if (ready()) {
+      c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      return "";
+    }
+    const auto now = Clock::now();
+    const auto slice = std::min<Clock::duration>(std::chrono::milliseconds(10), deadline - now);
+    if (slice > Clock::duration::zero()) {
+      futexWait(&c.doorbell, seen,
+                std::chrono::duration_cast<std::chrono::microseconds>(slice) +
+                    std::chrono::microseconds(1));
+    }
+    c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return "";
+    const auto after = Clock::now();
+    const bool checkAlive = after - lastCheck >= std::chrono::milliseconds(50);
+    if (checkAlive) lastCheck = after;
+    std::string failure = peerFailure(peer, checkAlive);
+    if (!failure.empty()) return failure;
+    if (after >= deadline) {
+      *timedOut = true;
+      return "timed out";
+    }
+  }
+}
+
+void ShmArena::abort(const std::string& reason) {
+  Control& mine = control(localRank_);
+  if (mine.aborted.load(std::memory_order_acquire)) return;
+  const size_t n = std::min(reason.size(), sizeof(mine.reason) - 1);
+  std::memcpy(mine.reason, reason.data(), n);
+  mine.reason[n] = '\0';
+  mine.aborted.store(1, std::memory_order_release);
+  for (int j = 0; j < localSize(); ++j) {
+    control(j).doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futexWakeAll(&control(j).doorbell);
+  }
+}
+
+void ShmArena::countBytes(uint64_t in, uint64_t out) {
+  Stats::instance().addSent(in);
+  Stats::instance().addReceived(out);
+}
+
+}  // namespace pycomm

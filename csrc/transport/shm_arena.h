@@ -1,0 +1,86 @@
+// The node-local arena: shared memory among the ranks of a group that share a
+// host, for shm-native collectives (algorithms/allreduce_shm.cc). Each local
+// rank owns `depth` slots of `slotBytes` and a few monotonic progress counters;
+// peers read each other's slots directly and wait on each other's counters
+// (spin briefly, then sleep on a futex). The arena knows nothing of reductions.
+//
+// Every local rank runs the same sequence of arena collectives, so a segment
+// index (nextSegment) names the same step everywhere; slot `g % depth` carries
+// segment g.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "transport/shm_segment.h"
+#include "transport/transport.h"
+
+namespace pycomm {
+
+class ShmArena {
+ public:
+  // Progress counters a rank publishes (values are segment indices + 1).
+  enum Phase { kPosted = 0, kReduced = 1, kConsumed = 2, kPhases = 3 };
+
+  // Collective over `members` (the group ranks on this host, ascending; `self`
+  // among them), through the group's store under `prefix`.
+  ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<int> members, int self,
+           size_t slotBytes, int depth);
+
+  int localRank() const { return localRank_; }
+  int localSize() const { return static_cast<int>(members_.size()); }
+  const std::vector<int>& members() const { return members_; }
+  size_t slotBytes() const { return slotBytes_; }
+  int depth() const { return depth_; }
+
+  // The next segment index (the same on every local rank for the same step).
+  uint64_t nextSegment() { return nextSegment_++; }
+  char* slot(int localRank, uint64_t segment) const;
+
+  void publish(Phase phase, uint64_t value);
+  // Waits until local rank `peer` has published `phase` >= value. Returns "" on
+  // success, else why not (timeout, a peer's abort, a dead peer); the caller
+  // adds the op name. `timedOut` tells a timeout from the other failures.
+  std::string waitFor(int peer, Phase phase, uint64_t value, Clock::time_point deadline,
+                      bool* timedOut);
+
+  // Tells every local peer that this rank gives up (they fail at their next
+  // wait instead of timing out). Idempotent.
+  void abort(const std::string& reason);
+
+  // How ranks are named in failure messages (the transport's rankName).
+  void setRankNamer(std::function<std::string(int)> namer) { namer_ = std::move(namer); }
+  std::string rankName(int groupRank) const;
+
+  // Bytes this rank copied into and read out of shared memory (pycomm.stats()).
+  void countBytes(uint64_t in, uint64_t out);
+
+ private:
+  struct alignas(128) Control {
+    std::atomic<uint64_t> counter[kPhases];
+    std::atomic<uint32_t> doorbell;
+    std::atomic<uint32_t> sleepers;
+    std::atomic<int32_t> pid;
+    std::atomic<uint32_t> aborted;
+    char reason[256];
+  };
+  Control& control(int localRank) const;
+  // "" or why a peer's state means the wait cannot succeed.
+  std::string peerFailure(int peer, bool checkAlive);
+
+  ShmSegment segment_;
+  std::vector<int> members_;
+  int localRank_ = 0;
+  size_t slotBytes_ = 0;
+  int depth_ = 0;
+  size_t slotsOffset_ = 0;
+  uint64_t nextSegment_ = 0;
+  std::chrono::nanoseconds spin_;
+  std::function<std::string(int)> namer_;
+};
+
+}  // namespace pycomm

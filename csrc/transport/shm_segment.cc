@@ -1,0 +1,161 @@
+#include "transport/shm_segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "common/error.h"
+
+namespace pycomm {
+namespace {
+
+std::string readFirstLine(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string namespaceId(const char* name) {
+  char buf[256];
+  const std::string path = std::string("/proc/self/ns/") + name;
+  const ssize_t n = ::readlink(path.c_str(), buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("?");
+}
+
+std::string randomHex(size_t bytes) {
+  std::random_device device;
+  static const char* kDigits = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < bytes; ++i) {
+    const unsigned v = device() & 0xff;
+    out += kDigits[v >> 4];
+    out += kDigits[v & 15];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string hostKey() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return strCat(host, "|", readFirstLine("/proc/sys/kernel/random/boot_id"), "|", namespaceId("net"),
+                "|", namespaceId("ipc"), "|", namespaceId("mnt"), "|", namespaceId("pid"));
+}
+
+std::vector<int> localRanks(KeyValueStore& store, const std::string& prefix, int rank, int size) {
+  const std::string mine = hostKey();
+  store.set(prefix + "host/" + std::to_string(rank), mine);
+  std::vector<int> local;
+  for (int r = 0; r < size; ++r) {
+    if (r == rank || store.get(prefix + "host/" + std::to_string(r)) == mine) local.push_back(r);
+  }
+  return local;
+}
+
+ShmSegment::~ShmSegment() {
+  if (data_) ::munmap(data_, bytes_);
+  unlink();
+}
+
+void ShmSegment::create(const std::string& name, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) throwError(ErrorKind::kConnection, "shm_open(", name, ") failed: ", std::strerror(errno));
+  name_ = name;
+  linked_ = true;
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throwError(ErrorKind::kConnection, "could not size shared memory ", name, " to ", bytes,
+               " bytes: ", std::strerror(err), " (is /dev/shm full?)");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throwError(ErrorKind::kConnection, "mmap of ", name, " failed: ", std::strerror(err));
+  data_ = static_cast<char*>(p);
+  bytes_ = bytes;
+}
+
+void ShmSegment::open(const std::string& name, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throwError(ErrorKind::kConnection, "shm_open(", name, ") failed: ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    ::close(fd);
+    throwError(ErrorKind::kConnection, "shared memory ", name, " has ", st.st_size, " bytes where ",
+               bytes, " were expected");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throwError(ErrorKind::kConnection, "mmap of ", name, " failed: ", std::strerror(err));
+  name_ = name;
+  data_ = static_cast<char*>(p);
+  bytes_ = bytes;
+}
+
+void ShmSegment::unlink() {
+  if (!linked_) return;
+  linked_ = false;
+  ::shm_unlink(name_.c_str());
+}
+
+void mapSharedSegment(ShmSegment& segment, KeyValueStore& store, const std::string& prefix,
+                      const std::string& tag, const std::vector<int>& members, int self,
+                      size_t bytes) {
+  const std::string base = prefix + "shm/" + tag + "/";
+  if (self == members.front()) {
+    const std::string name = strCat("/pycomm-", ::getpid(), "-", randomHex(8));
+    segment.create(name, bytes);
+    store.set(base + "name", name);
+    for (size_t i = 1; i < members.size(); ++i) store.get(base + "mapped/" + std::to_string(members[i]));
+    segment.unlink();
+  } else {
+    segment.open(store.get(base + "name"), bytes);
+    store.set(base + "mapped/" + std::to_string(self), "1");
+  }
+}
+
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word size");
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000);
+  ts.tv_nsec = static_cast<long>((timeout.count() % 1000000) * 1000);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+bool processAlive(int pid) {
+  if (pid <= 0) return true;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  // A killed child stays a zombie until its parent reaps it: that is not alive.
+  const std::string stat = readFirstLine(("/proc/" + std::to_string(pid) + "/stat").c_str());
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return true;
+  const char state = stat[close + 2];
+  return state != 'Z' && state != 'X';
+}
+
+std::chrono::nanoseconds spinBudget(int localRanks) {
+  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<unsigned>(localRanks) > cores ? std::chrono::microseconds(2)
+                                                  : std::chrono::microseconds(50);
+}
+
+}  // namespace pycomm
