@@ -3,7 +3,9 @@
 Sweeps world sizes 1..9, counts {0, 1, n-1, n+1, 10007, 1<<20}, every dtype and
 op, with expectations in closed form where one exists and otherwise a reduction
 of the same inputs computed by torch. Small segment sizes force multi-segment
-pipelines through every algorithm.
+pipelines through every algorithm. With "shm" the threads share a node-local
+shared-memory arena (slots of the segment size, rounded up to 4 KiB) and every
+collective takes its shared-memory path.
 """
 import functools
 
@@ -13,6 +15,8 @@ import torch
 from pycomm import _C
 
 ALGOS = ["ring", "tree", "sharded", "shm"]
+# The other collectives: over the transport ("auto") or the shared-memory arena ("shm").
+PATHS = ["auto", "shm"]
 WORLDS = list(range(1, 10))
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -134,61 +138,67 @@ def test_half_sum_rounds_like_torch(dtype):
         assert torch.equal(outputs[1], expected), algo
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", WORLDS)
-def test_broadcast_every_root(n):
+def test_broadcast_every_root(n, path):
     for count in counts_for(n)[:-1]:
         for root in range(n):
             tensors = [torch.full((count,), float(r)) if r != root else torch.arange(count, dtype=torch.float32)
                        for r in range(n)]
-            outputs = run("broadcast", tensors, root=root, segment=1024)
+            outputs = run("broadcast", tensors, algo=path, root=root, segment=1024)
             for r, out in enumerate(outputs):
                 assert torch.equal(out, torch.arange(count, dtype=torch.float32)), (n, count, root, r)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", WORLDS)
-def test_reduce_every_root(n):
+def test_reduce_every_root(n, path):
     for count in (0, 1, n + 1, 10007):
         for root in range(n):
             tensors = [torch.full((count,), r + 1, dtype=torch.int64) for r in range(n)]
-            outputs = run("reduce", tensors, "sum", root=root, segment=512)
+            outputs = run("reduce", tensors, "sum", path, root=root, segment=512)
             assert torch.equal(outputs[root], torch.full((count,), n * (n + 1) // 2, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", WORLDS)
-def test_allgather(n):
+def test_allgather(n, path):
     for count in counts_for(n)[:-1]:
         tensors = [torch.arange(count, dtype=torch.int32) + 100000 * r for r in range(n)]
-        outputs = run("allgather", tensors, segment=2048)
+        outputs = run("allgather", tensors, algo=path, segment=2048)
         expected = torch.cat(tensors)
         for out in outputs:
             assert torch.equal(out, expected), (n, count)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", WORLDS)
-def test_reduce_scatter(n):
+def test_reduce_scatter(n, path):
     for part in (0, 1, n + 1, 4099):
         tensors = [torch.arange(part * n, dtype=torch.float64) * (r + 1) for r in range(n)]
-        outputs = run("reduce_scatter", tensors, "sum", segment=1024)
+        outputs = run("reduce_scatter", tensors, "sum", path, segment=1024)
         full = torch.arange(part * n, dtype=torch.float64) * (n * (n + 1) / 2)
         for r, out in enumerate(outputs):
             assert torch.equal(out, full[r * part:(r + 1) * part]), (n, part, r)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", WORLDS)
-def test_alltoall(n):
+def test_alltoall(n, path):
     for part in (0, 1, 513):
         # rank r's block for rank j holds 1000*r + j
         tensors = [torch.cat([torch.full((part,), 1000 * r + j, dtype=torch.int64) for j in range(n)])
                    for r in range(n)]
-        outputs = run("alltoall", tensors)
+        outputs = run("alltoall", tensors, algo=path, segment=4096)
         for j, out in enumerate(outputs):
             expected = torch.cat([torch.full((part,), 1000 * r + j, dtype=torch.int64) for r in range(n)])
             assert torch.equal(out, expected), (n, part, j)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", WORLDS)
-def test_barrier_completes(n):
-    run("barrier", [torch.zeros(1) for _ in range(n)])
+def test_barrier_completes(n, path):
+    run("barrier", [torch.zeros(1) for _ in range(n)], algo=path)
 
 
 def test_auto_selection_follows_size():

@@ -68,4 +68,34 @@ void alltoallPairwise(Comm& comm, const std::vector<const char*>& sends,
 // Dissemination barrier: ceil(log2 n) rounds of empty messages.
 void barrierDissemination(Comm& comm);
 
+// The same collectives through the node-local shared-memory arena (every rank
+// on one host; collectives_shm.cc). Same arguments and results as above;
+// reduce leaves the result on every rank (a superset of the contract).
+void broadcastShm(Comm& comm, void* buf, size_t bytes, int root);
+void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes);
+void reduceScatterShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
+                      DataType dtype, ReduceOp op);
+void gatherShm(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs,
+               int root);
+void scatterShm(Comm& comm, const std::vector<const char*>& inputs, void* output, size_t bytes,
+                int root);
+void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
+                 const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes);
+void barrierShm(Comm& comm);
+
+// What the backend calls (dispatch.cc): the shm version above when every rank
+// of the group shares a host, else the transport algorithm (tree broadcast and
+// reduce, ring all-gather and reduce-scatter, direct gather/scatter, pairwise
+// all-to-all, dissemination barrier).
+void broadcast(Comm& comm, void* buf, size_t bytes, int root);
+void reduce(Comm& comm, void* acc, size_t count, DataType dtype, ReduceOp op, int root);
+void allgather(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes);
+void reduceScatter(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
+                   DataType dtype, ReduceOp op);
+void gather(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs, int root);
+void scatter(Comm& comm, const std::vector<const char*>& inputs, void* output, size_t bytes, int root);
+void alltoall(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
+              const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes);
+void barrier(Comm& comm);
+
 }  // namespace pycomm

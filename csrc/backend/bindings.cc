@@ -69,6 +69,7 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
           Comm comm(transport, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
                     segmentBytes);
           std::unique_ptr<ShmArena> arena;
+          // With an arena every collective takes its shm path (dispatch.cc).
           if (algo == AllreduceAlgorithm::kShm && n > 1) {
             arena = std::make_unique<ShmArena>(store, "loopback/", everyone, r, segmentBytes, 4);
             comm.setArena(arena.get());
@@ -82,19 +83,19 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
           if (collective == "allreduce") {
             allreduce(comm, data, count, dtype, reduceOp, algo);
           } else if (collective == "broadcast") {
-            broadcastTree(comm, data, bytes, root);
+            broadcast(comm, data, bytes, root);
           } else if (collective == "reduce") {
-            reduceTree(comm, data, count, dtype, reduceOp, root);
+            reduce(comm, data, count, dtype, reduceOp, root);
           } else if (collective == "allgather") {
             std::vector<char*> chunks;
             for (int i = 0; i < n; ++i) chunks.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * bytes);
             std::memcpy(chunks[r], data, bytes);
-            ringAllgather(comm, chunks, std::vector<size_t>(n, bytes));
+            allgather(comm, chunks, std::vector<size_t>(n, bytes));
           } else if (collective == "reduce_scatter") {
             const size_t part = count / n;
             std::vector<char*> chunks;
             for (int i = 0; i < n; ++i) chunks.push_back(data + i * part * elementSize(dtype));
-            ringReduceScatter(comm, chunks, std::vector<size_t>(n, part), dtype, reduceOp);
+            reduceScatter(comm, chunks, std::vector<size_t>(n, part), dtype, reduceOp);
             std::memcpy(outputs[r].data_ptr(), chunks[r], part * elementSize(dtype));
           } else if (collective == "alltoall") {
             const size_t part = bytes / n;
@@ -104,10 +105,10 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
               sends.push_back(data + i * part);
               recvs.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * part);
             }
-            alltoallPairwise(comm, sends, std::vector<size_t>(n, part), recvs,
+            alltoall(comm, sends, std::vector<size_t>(n, part), recvs,
                              std::vector<size_t>(n, part));
           } else if (collective == "barrier") {
-            barrierDissemination(comm);
+            barrier(comm);
           } else {
             throw std::invalid_argument("unknown collective " + collective);
           }

@@ -173,10 +173,12 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
   std::shared_ptr<Transport> transport;
   std::shared_ptr<ShmArena> arena;
   try {
+    // TCP first: it names a rank that never joins; by the time it is up, every
+    // rank has published its host key.
+    transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
     std::vector<int> local;
     if (config_.transport != "tcp" && size > 1)
       local = localRanks(adapter, config_.storePrefix, rank, size);
-    transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
     if (local.size() > 1) {
       arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, kArenaSlotBytes,
                                          kArenaDepth);
@@ -367,8 +369,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(Tensors& tensors,
   const int root = static_cast<int>(opts.rootRank);
   return enqueue("broadcast", OpType::BROADCAST, tensors,
                  [t, root](Comm& c) {
-                   c.setAlgorithm("tree");
-                   broadcastTree(c, t.data_ptr(), t.nbytes(), root);
+                   pycomm::broadcast(c, t.data_ptr(), t.nbytes(), root);
                  },
                  opts.timeout, opts.asyncOp,
                  signature("broadcast", &t, -1, -1, root));
@@ -431,11 +432,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
   const int root = static_cast<int>(opts.rootRank);
   return enqueue("reduce", OpType::REDUCE, tensors,
                  [t, dtype, op, root](Comm& c) {
-                   c.setAlgorithm("tree");
                    // Only the root's tensor changes; other ranks reduce in a copy.
                    at::Tensor acc = c.rank() == root ? t : t.clone();
                    const ReduceOp as = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-                   reduceTree(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, as, root);
+                   pycomm::reduce(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, as, root);
                    if (op == ReduceOp::kAvg && c.rank() == root)
                      divideBy(acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, c.size());
                  },
@@ -454,12 +454,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
   Tensors outs = outputs[0];
   return enqueue("allgather", OpType::ALLGATHER, outs,
                  [input, outs](Comm& c) {
-                   c.setAlgorithm("ring");
                    std::vector<char*> chunks;
                    for (const auto& o : outs) chunks.push_back(ptr(o));
                    if (input.nbytes() > 0 && chunks[c.rank()] != ptr(input))
                      std::memcpy(chunks[c.rank()], ptr(input), input.nbytes());
-                   ringAllgather(c, chunks, std::vector<size_t>(outs.size(), input.nbytes()));
+                   pycomm::allgather(c, chunks, std::vector<size_t>(outs.size(), input.nbytes()));
                  },
                  opts.timeout, opts.asyncOp,
                  signature("allgather", &input));
@@ -472,13 +471,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
   at::Tensor in = input, out = output;
   return enqueue("allgather_into_tensor", OpType::_ALLGATHER_BASE, {output},
                  [in, out](Comm& c) {
-                   c.setAlgorithm("ring");
                    const size_t bytes = in.nbytes();
                    std::vector<char*> chunks;
                    for (int i = 0; i < c.size(); ++i) chunks.push_back(ptr(out) + i * bytes);
                    if (bytes > 0 && chunks[c.rank()] != ptr(in))
                      std::memmove(chunks[c.rank()], ptr(in), bytes);
-                   ringAllgather(c, chunks, std::vector<size_t>(c.size(), bytes));
+                   pycomm::allgather(c, chunks, std::vector<size_t>(c.size(), bytes));
                  },
                  opts.timeout, opts.asyncOp,
                  signature("allgather_into_tensor", &input));
@@ -505,13 +503,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
   Tensors ins = inputs;
   return enqueue(op, OpType::ALLGATHER_COALESCED, flatOutputs,
                  [lists, ins](Comm& c) {
-                   c.setAlgorithm("ring");
                    for (size_t i = 0; i < ins.size(); ++i) {
                      std::vector<char*> chunks;
                      for (const auto& list : lists) chunks.push_back(ptr(list[i]));
                      const size_t bytes = ins[i].nbytes();
                      if (bytes > 0) std::memcpy(chunks[c.rank()], ptr(ins[i]), bytes);
-                     ringAllgather(c, chunks, std::vector<size_t>(lists.size(), bytes));
+                     pycomm::allgather(c, chunks, std::vector<size_t>(lists.size(), bytes));
                    }
                  },
                  opts.timeout, opts.asyncOp,
@@ -530,13 +527,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
   Tensors ins = inputs, outs = outputs;
   return enqueue(op, OpType::COALESCED, outs,
                  [ins, outs](Comm& c) {
-                   c.setAlgorithm("ring");
                    for (size_t i = 0; i < ins.size(); ++i) {
                      const size_t bytes = ins[i].nbytes();
                      std::vector<char*> chunks;
                      for (int r = 0; r < c.size(); ++r) chunks.push_back(ptr(outs[i]) + r * bytes);
                      if (bytes > 0) std::memmove(chunks[c.rank()], ptr(ins[i]), bytes);
-                     ringAllgather(c, chunks, std::vector<size_t>(c.size(), bytes));
+                     pycomm::allgather(c, chunks, std::vector<size_t>(c.size(), bytes));
                    }
                  },
                  opts.timeout, opts.asyncOp,
@@ -564,7 +560,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& 
                  [input, outs, root](Comm& c) {
                    std::vector<char*> chunks;
                    for (const auto& o : outs) chunks.push_back(ptr(o));
-                   gatherDirect(c, input.data_ptr(), input.nbytes(), chunks, root);
+                   pycomm::gather(c, input.data_ptr(), input.nbytes(), chunks, root);
                  },
                  opts.timeout, opts.asyncOp,
                  signature("gather", &input, -1, -1, root));
@@ -591,7 +587,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
                  [output, ins, root](Comm& c) {
                    std::vector<const char*> chunks;
                    for (const auto& i : ins) chunks.push_back(ptr(i));
-                   scatterDirect(c, chunks, output.data_ptr(), output.nbytes(), root);
+                   pycomm::scatter(c, chunks, output.data_ptr(), output.nbytes(), root);
                  },
                  opts.timeout, opts.asyncOp,
                  signature("scatter", &output, -1, -1, root));
@@ -615,7 +611,7 @@ void reduceScatterInto(Comm& c, const Tensors& inputs, const at::Tensor& output,
     offset += static_cast<size_t>(t.numel());
   }
   const ReduceOp as = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  ringReduceScatter(c, chunks, counts, dtype, as);
+  pycomm::reduceScatter(c, chunks, counts, dtype, as);
   const size_t mine = counts[c.rank()];
   if (mine > 0) std::memcpy(ptr(output), chunks[c.rank()], mine * elementBytes);
   if (op == ReduceOp::kAvg) divideBy(ptr(output), mine, dtype, c.size());
@@ -645,7 +641,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   Tensors ins = inputs[0];
   return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
                  [ins, output, dtype, op](Comm& c) {
-                   c.setAlgorithm("ring");
                    reduceScatterInto(c, ins, output, dtype, op);
                  },
                  opts.timeout, opts.asyncOp,
@@ -661,7 +656,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   at::Tensor in = input, out = output;
   return enqueue(name, OpType::_REDUCE_SCATTER_BASE, {output},
                  [in, out, dtype, op](Comm& c) {
-                   c.setAlgorithm("ring");
                    reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op);
                  },
                  opts.timeout, opts.asyncOp,
@@ -681,7 +675,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
   Tensors ins = inputs, outs = outputs;
   return enqueue(name, OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs,
                  [ins, outs, kinds](Comm& c) {
-                   c.setAlgorithm("ring");
                    for (size_t i = 0; i < ins.size(); ++i)
                      reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
                                        kinds[i].first, kinds[i].second);
@@ -742,7 +735,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
                      sends.push_back(ptr(in) + sendOffsets[i]);
                      recvs.push_back(ptr(out) + recvOffsets[i]);
                    }
-                   alltoallPairwise(c, sends, sendBytes, recvs, recvBytes);
+                   pycomm::alltoall(c, sends, sendBytes, recvs, recvBytes);
                  },
                  opts.timeout, opts.asyncOp,
                  signature("alltoall", &input, -2));
@@ -775,14 +768,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
                      recvs.push_back(ptr(outs[i]));
                      recvBytes.push_back(outs[i].nbytes());
                    }
-                   alltoallPairwise(c, sends, sendBytes, recvs, recvBytes);
+                   pycomm::alltoall(c, sends, sendBytes, recvs, recvBytes);
                  },
                  opts.timeout, opts.asyncOp,
                  signature(name, &inputs[0], -2));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { barrierDissemination(c); },
+  return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { pycomm::barrier(c); },
                  opts.timeout, opts.asyncOp,
                  signature("barrier"));
 }

@@ -1,0 +1,222 @@
+// Every collective besides all-reduce through the node-local shared-memory
+// arena (all ranks of the group on one host; see allreduce_shm.cc for the
+// all-reduce and transport/shm_arena.h for the slots and counters).
+//
+// Each step of a collective is one arena segment g: a rank waits until its slot
+// for g is free (everyone consumed segment g - depth), fills it, publishes
+// kPosted, reads what it needs from the slots of the ranks it waits for, and
+// publishes kConsumed. Every rank takes part in every step, so segment indices
+// stay equal across ranks. Collectives that send different data to different
+// ranks split a slot into one sub-slot per destination.
+#include <algorithm>
+#include <cstring>
+
+#include "algorithms/collectives.h"
+#include "kernels/cpu/reduce.h"
+
+namespace pycomm {
+namespace {
+
+class Steps {
+ public:
+  explicit Steps(Comm& comm) : comm_(comm), arena_(*comm.arena()), me_(arena_.localRank()) {}
+
+  // Starts the next step; returns this rank's slot for it.
+  char* begin() {
+    g_ = arena_.nextSegment();
+    if (g_ >= static_cast<uint64_t>(arena_.depth()))
+      comm_.waitArenaAll(ShmArena::kConsumed, g_ - arena_.depth() + 1);
+    return arena_.slot(me_, g_);
+  }
+  void post(uint64_t bytesIn = 0) {
+    arena_.publish(ShmArena::kPosted, g_ + 1);
+    bytesIn_ += bytesIn;
+  }
+  // Rank j's slot of this step, once j has posted it.
+  const char* from(int j, uint64_t bytesOut = 0) {
+    comm_.waitArena(j, ShmArena::kPosted, g_ + 1);
+    bytesOut_ += bytesOut;
+    return arena_.slot(j, g_);
+  }
+  void end() { arena_.publish(ShmArena::kConsumed, g_ + 1); }
+  ~Steps() { arena_.countBytes(bytesIn_, bytesOut_); }
+
+  int rank() const { return me_; }
+  int size() const { return arena_.localSize(); }
+  size_t slotBytes() const { return arena_.slotBytes(); }
+  // One destination's share of a slot (64-byte aligned).
+  size_t subSlotBytes() const {
+    const size_t sub = arena_.slotBytes() / static_cast<size_t>(size()) / 64 * 64;
+    PYCOMM_CHECK_INTERNAL(sub > 0, "shared-memory slots too small for ", size(), " ranks");
+    return sub;
+  }
+  ShmArena& arena() { return arena_; }
+
+ private:
+  Comm& comm_;
+  ShmArena& arena_;
+  const int me_;
+  uint64_t g_ = 0;
+  uint64_t bytesIn_ = 0;
+  uint64_t bytesOut_ = 0;
+};
+
+size_t part(size_t total, size_t offset, size_t unit) {
+  return offset >= total ? 0 : std::min(unit, total - offset);
+}
+
+size_t stepsFor(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit; }
+
+}  // namespace
+
+void broadcastShm(Comm& comm, void* buf, size_t bytes, int root) {
+  Steps steps(comm);
+  char* data = static_cast<char*>(buf);
+  for (size_t off = 0; off < bytes; off += steps.slotBytes()) {
+    const size_t len = part(bytes, off, steps.slotBytes());
+    char* slot = steps.begin();
+    if (steps.rank() == root) std::memcpy(slot, data + off, len);
+    steps.post(steps.rank() == root ? len : 0);
+    if (steps.rank() != root) std::memcpy(data + off, steps.from(root, len), len);
+    steps.end();
+  }
+}
+
+void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes) {
+  Steps steps(comm);
+  const int n = steps.size();
+  const int me = steps.rank();
+  const size_t unit = steps.slotBytes();
+  const size_t rounds = stepsFor(*std::max_element(bytes.begin(), bytes.end()), unit);
+  for (size_t s = 0; s < rounds; ++s) {
+    const size_t off = s * unit;
+    char* slot = steps.begin();
+    const size_t mine = part(bytes[me], off, unit);
+    if (mine) std::memcpy(slot, chunks[me] + off, mine);
+    steps.post(mine);
+    for (int j = 0; j < n; ++j) {
+      const size_t len = part(bytes[j], off, unit);
+      if (j != me && len) std::memcpy(chunks[j] + off, steps.from(j, len), len);
+    }
+    steps.end();
+  }
+}
+
+void reduceScatterShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
+                      DataType dtype, ReduceOp op) {
+  Steps steps(comm);
+  const int n = steps.size();
+  const int me = steps.rank();
+  const size_t elem = elementSize(dtype);
+  const size_t sub = steps.subSlotBytes();
+  const size_t unit = sub / elem;  // elements per destination per step
+  const size_t rounds = stepsFor(*std::max_element(counts.begin(), counts.end()), unit);
+  for (size_t s = 0; s < rounds; ++s) {
+    const size_t off = s * unit;
+    char* slot = steps.begin();
+    uint64_t in = 0;
+    for (int j = 0; j < n; ++j) {
+      const size_t len = part(counts[j], off, unit);
+      if (j != me && len) std::memcpy(slot + j * sub, chunks[j] + off * elem, len * elem), in += len * elem;
+    }
+    steps.post(in);
+    const size_t mine = part(counts[me], off, unit);
+    for (int j = 0; j < n && mine; ++j) {
+      if (j == me) continue;
+      reduceInto(chunks[me] + off * elem, steps.from(j, mine * elem) + me * sub, mine, dtype, op);
+    }
+    steps.end();
+  }
+}
+
+void gatherShm(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs,
+               int root) {
+  Steps steps(comm);
+  const int n = steps.size();
+  const int me = steps.rank();
+  const char* in = static_cast<const char*>(input);
+  if (me == root && bytes > 0 && outputs[me] != in) std::memcpy(outputs[me], in, bytes);
+  for (size_t off = 0; off < bytes; off += steps.slotBytes()) {
+    const size_t len = part(bytes, off, steps.slotBytes());
+    char* slot = steps.begin();
+    if (me != root) std::memcpy(slot, in + off, len);
+    steps.post(me != root ? len : 0);
+    if (me == root)
+      for (int j = 0; j < n; ++j)
+        if (j != me) std::memcpy(outputs[j] + off, steps.from(j, len), len);
+    steps.end();
+  }
+}
+
+void scatterShm(Comm& comm, const std::vector<const char*>& inputs, void* output, size_t bytes,
+                int root) {
+  Steps steps(comm);
+  const int n = steps.size();
+  const int me = steps.rank();
+  char* out = static_cast<char*>(output);
+  if (me == root && bytes > 0 && inputs[me] != out) std::memcpy(out, inputs[me], bytes);
+  const size_t sub = steps.subSlotBytes();
+  for (size_t off = 0; off < bytes; off += sub) {
+    const size_t len = part(bytes, off, sub);
+    char* slot = steps.begin();
+    if (me == root)
+      for (int j = 0; j < n; ++j)
+        if (j != me) std::memcpy(slot + j * sub, inputs[j] + off, len);
+    steps.post(me == root ? (n - 1) * len : 0);
+    if (me != root) std::memcpy(out + off, steps.from(root, len) + me * sub, len);
+    steps.end();
+  }
+}
+
+void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
+                 const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes) {
+  Steps steps(comm);
+  const int n = steps.size();
+  const int me = steps.rank();
+  const size_t sub = steps.subSlotBytes();
+  PYCOMM_CHECK_INTERNAL(static_cast<size_t>(n) * sizeof(uint64_t) <= steps.slotBytes(),
+                        "too many ranks for the shared-memory slots");
+  // Step 1: everyone publishes what it sends to whom; each rank checks what it
+  // expects and all agree on the number of data steps.
+  uint64_t* table = reinterpret_cast<uint64_t*>(steps.begin());
+  for (int j = 0; j < n; ++j) table[j] = sendBytes[j];
+  steps.post();
+  size_t rounds = 0;
+  std::string mismatch;
+  for (int j = 0; j < n; ++j) {
+    const uint64_t* theirs = j == me ? table : reinterpret_cast<const uint64_t*>(steps.from(j));
+    for (int k = 0; k < n; ++k) rounds = std::max(rounds, k == j ? 0 : stepsFor(theirs[k], sub));
+    if (theirs[me] != recvBytes[j] && mismatch.empty())
+      mismatch = strCat(comm.transport().rankName(steps.arena().members()[j]), " sent ", theirs[me],
+                        " bytes where ", recvBytes[j], " were expected (tensor sizes differ between ranks?)");
+  }
+  steps.end();
+  if (!mismatch.empty()) throwError(ErrorKind::kConnection, comm.prefix(), ": ", mismatch);
+  if (sendBytes[me] > 0 && recvs[me] != sends[me]) std::memcpy(recvs[me], sends[me], sendBytes[me]);
+  for (size_t s = 0; s < rounds; ++s) {
+    const size_t off = s * sub;
+    char* slot = steps.begin();
+    uint64_t in = 0;
+    for (int j = 0; j < n; ++j) {
+      const size_t len = part(sendBytes[j], off, sub);
+      if (j != me && len) std::memcpy(slot + j * sub, sends[j] + off, len), in += len;
+    }
+    steps.post(in);
+    for (int j = 0; j < n; ++j) {
+      const size_t len = part(recvBytes[j], off, sub);
+      if (j != me && len) std::memcpy(recvs[j] + off, steps.from(j, len) + me * sub, len);
+    }
+    steps.end();
+  }
+}
+
+void barrierShm(Comm& comm) {
+  Steps steps(comm);
+  steps.begin();
+  steps.post();
+  for (int j = 0; j < steps.size(); ++j)
+    if (j != steps.rank()) steps.from(j);
+  steps.end();
+}
+
+}  // namespace pycomm
