@@ -993,12 +993,14 @@ def collectives_worker(ctx, sections, full):
 # tests (parent side)
 # --------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"w{w}")
+# Every world size with the shared-memory path forced on and forced off (TCP).
+@pytest.fixture(scope="module", params=[(w, t) for t in ("shm", "tcp") for w in (2, 3, 4)],
+                ids=lambda p: f"w{p[0]}-{p[1]}")
 def collectives_run(request):
-    w = request.param
+    w, transport = request.param
     sections = list(SECTIONS) if w < 4 else SECTIONS_W4
     res = spawn_run(collectives_worker, w, backend=BACKEND, args=(sections, w < 4),
-                    timeout_s=240, pg_timeout_s=30)
+                    timeout_s=240, pg_timeout_s=30, env={"PYCOMM_TRANSPORT": transport})
     return w, sections, res
 
 

@@ -39,7 +39,7 @@ def _spawn(target, world, args, timeout_s=WAIT_LIMIT_S):
     return results
 
 
-def _kill_worker(rank, world, q, rdzv, rdzv_again):
+def _kill_worker(rank, world, q, rdzv, rdzv_again, algo):
     import torch
     import torch.distributed as dist
 
@@ -48,7 +48,7 @@ def _kill_worker(rank, world, q, rdzv, rdzv_again):
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=20)
     dist.init_process_group("pycomm", init_method=rdzv, rank=rank, world_size=world, timeout=timeout)
-    pycomm.set_algorithm("ring")
+    pycomm.set_algorithm(algo)
     t = torch.ones(4 << 20)  # 16 MiB: the kill lands mid-transfer
     failure = None
     for step in range(1000):
@@ -79,10 +79,14 @@ def _kill_worker(rank, world, q, rdzv, rdzv_again):
     q.put((rank, result))
 
 
-def test_sigkill_mid_collective_names_the_lost_rank(tmp_path):
+@pytest.mark.parametrize("algo", ["ring", "shm"])
+def test_sigkill_mid_collective_names_the_lost_rank(tmp_path, algo):
+    """Over TCP (ring) the survivors see the socket close; through shared memory
+    (shm) they see the process gone. Either way nothing stays in /dev/shm."""
     world = 3
+    before = set(n for n in os.listdir("/dev/shm") if n.startswith("pycomm-"))
     results = _spawn(_kill_worker, world,
-                     (f"file://{tmp_path}/rdzv1", f"file://{tmp_path}/rdzv2"))
+                     (f"file://{tmp_path}/rdzv1", f"file://{tmp_path}/rdzv2", algo))
     survivors = [r for r in range(world - 1)]
     assert sorted(results) == survivors, f"survivors reported: {results}"
     for rank in survivors:
@@ -94,6 +98,8 @@ def test_sigkill_mid_collective_names_the_lost_rank(tmp_path):
         assert res["seconds"] < 20 + 5, res
         assert "unusable" in res["later"], res["later"]
         assert res["reinit_sum"] == 3.0, res
+    after = set(n for n in os.listdir("/dev/shm") if n.startswith("pycomm-"))
+    assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
 
 
 def _never_joins_worker(rank, world, q, rdzv):

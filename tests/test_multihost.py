@@ -104,6 +104,12 @@ def _ddp_train(ctx, group, steps=8):
 def multihost_worker(ctx, sections):
     out = {"ddp_pycomm": _ddp_train(ctx, None), "ddp_gloo": _ddp_train(ctx, ctx.ref)}
     out["connections"] = _own_tcp_connections()
+    import pycomm
+
+    x = torch.full((300001,), float(ctx.rank + 1))
+    torch.distributed.all_reduce(x)
+    out["algorithm"] = pycomm.last_algorithm()
+    out["sum_ok"] = bool(torch.all(x == ctx.world_size * (ctx.world_size + 1) / 2))
     collectives_worker(ctx, sections, False)
     return out
 
@@ -125,6 +131,13 @@ def _check_run(res, sections, world, hosts, per_host):
         pytest.fail("\n".join(problems), pytrace=False)
     rets = res.returns
     for r in range(world):
+        assert rets[r]["sum_ok"], f"rank {r}: wrong all-reduce sum"
+        # hosts with several ranks: reduce inside the host over shared memory first
+        want = "hierarchical" if per_host > 1 else None
+        if want:
+            assert rets[r]["algorithm"] == want, f"rank {r}: all-reduce took {rets[r]['algorithm']}"
+        else:
+            assert rets[r]["algorithm"] not in ("hierarchical", "shm"), rets[r]["algorithm"]
         for k, v in rets[r]["ddp_pycomm"].items():
             e = rets[r]["ddp_gloo"][k]
             assert torch.allclose(v.double(), e.double(), rtol=1e-5, atol=1e-6), \

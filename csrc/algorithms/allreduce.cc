@@ -8,10 +8,8 @@ namespace pycomm {
 void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
                AllreduceAlgorithm algorithm) {
   if (algorithm == AllreduceAlgorithm::kAuto)
-    algorithm = selectAllreduceAlgorithm(count * elementSize(dtype), comm.size(), onOneHost(comm));
-  PYCOMM_CHECK_USAGE(algorithm != AllreduceAlgorithm::kShm || onOneHost(comm), comm.prefix(),
-                     ": the shm algorithm needs every rank of the group on one host "
-                     "(and PYCOMM_TRANSPORT other than tcp)");
+    algorithm = selectAllreduceAlgorithm(comm, count * elementSize(dtype));
+  checkAlgorithmFits(comm, algorithm);
   comm.setAlgorithm(allreduceAlgorithmName(algorithm));
   const ReduceOp reduceAs = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   switch (algorithm) {
@@ -23,6 +21,9 @@ void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
       break;
     case AllreduceAlgorithm::kShm:
       allreduceShm(comm, buf, count, dtype, reduceAs);
+      break;
+    case AllreduceAlgorithm::kHierarchical:
+      allreduceHierarchical(comm, buf, count, dtype, reduceAs);
       break;
     case AllreduceAlgorithm::kSharded:
     case AllreduceAlgorithm::kAuto:

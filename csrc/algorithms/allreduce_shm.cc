@@ -1,5 +1,5 @@
-// All-reduce through the node-local shared-memory arena (every rank of the
-// group on one host). Per segment of `slotBytes`: each rank copies its segment
+// All-reduce among the ranks of the node-local shared-memory arena (the whole
+// group when it is on one host; one host's ranks in the hierarchical form). Per segment of `slotBytes`: each rank copies its segment
 // into its slot (kPosted); then either
 //  - every rank reduces the whole segment out of all slots into its buffer
 //    (small segments, or two ranks: one synchronisation per segment), or
@@ -28,8 +28,7 @@ bool commutativeBitwise(ReduceOp op) { return op == ReduceOp::kSum || op == Redu
 }  // namespace
 
 void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) {
-  if (comm.size() == 1 || count == 0) return;
-  PYCOMM_CHECK_INTERNAL(onOneHost(comm), "shm all-reduce needs every rank on one host");
+  if (comm.arena() == nullptr || count == 0) return;  // alone on its host
   ShmArena& arena = *comm.arena();
   const int n = arena.localSize();
   const int me = arena.localRank();

@@ -13,17 +13,30 @@
 
 namespace pycomm {
 
-enum class AllreduceAlgorithm { kAuto, kRing, kTree, kSharded, kShm };
+enum class AllreduceAlgorithm { kAuto, kRing, kTree, kSharded, kShm, kHierarchical };
 
 const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm);
-// Parses "auto" | "ring" | "tree" | "sharded" | "shm"; throws a usage error otherwise.
+// Parses "auto" | "ring" | "tree" | "sharded" | "shm" | "hierarchical"; throws a
+// usage error otherwise.
 AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name);
 // The algorithm kAuto resolves to: shm when every rank shares the node-local
-// arena (`onOneHost`), else the alpha-beta cost model (select.cc).
-AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int worldSize, bool onOneHost = false);
+// arena (`onOneHost`), hierarchical when some but not all ranks share hosts
+// (`hosts` of them, 0 when unknown), else the alpha-beta cost model (select.cc).
+AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int worldSize, bool onOneHost = false,
+                                            int hosts = 0);
+// The same for comm's group.
+AllreduceAlgorithm selectAllreduceAlgorithm(const Comm& comm, size_t bytes);
+// Throws a usage error when `algorithm` cannot run on comm's group (shm needs
+// one host, hierarchical several hosts with shared ones).
+void checkAlgorithmFits(const Comm& comm, AllreduceAlgorithm algorithm);
 // Whether comm's arena spans the whole group (trivially true for one rank).
 inline bool onOneHost(const Comm& comm) {
   return comm.size() == 1 || (comm.arena() != nullptr && comm.arena()->localSize() == comm.size());
+}
+// Whether the group spans several hosts, some of them with several ranks.
+inline bool hierarchical(const Comm& comm) {
+  const size_t hosts = comm.hostLeaders().size();
+  return hosts > 1 && hosts < static_cast<size_t>(comm.size());
 }
 
 // All-reduce in place. Resolves kAuto, finishes AVG with a division.
@@ -37,9 +50,13 @@ void allreduceTree(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp
 // recursive halving/doubling for power-of-two groups, direct exchange otherwise.
 void allreduceSharded(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
 
-// Through the node-local shared-memory arena (comm.arena(), every rank of the
-// group on one host), segment by segment (allreduce_shm.cc).
+// Among the ranks of the node-local shared-memory arena (comm.arena(); the whole
+// group when it is on one host), segment by segment (allreduce_shm.cc).
 void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+// Hosts first: all-reduce inside each host through the arena, then among one
+// leader per host over the transport (cost-model algorithm), then broadcast
+// inside each host (allreduce_hierarchical.cc).
+void allreduceHierarchical(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
 
 // Ring phases over chunks that may live in separate buffers: chunk i has
 // counts[i] elements at chunks[i]. Reduce-scatter leaves chunk r fully reduced

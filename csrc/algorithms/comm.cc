@@ -19,6 +19,16 @@ void Comm::begin(const std::string& op, std::chrono::milliseconds timeout) {
   begin(op);
 }
 
+void Comm::beginWithin(const Comm& outer, const std::string& algorithm) {
+  sequence_ = outer.sequence_;
+  tag_ = outer.tag_;
+  op_ = outer.op_;
+  algorithm_ = algorithm;
+  timeout_ = outer.timeout_;
+  start_ = outer.start_;
+  deadline_ = outer.deadline_;
+}
+
 std::string Comm::prefix() const {
   return algorithm_.empty() ? strCat("pycomm ", op_) : strCat("pycomm ", op_, " (", algorithm_, ")");
 }
@@ -48,7 +58,8 @@ void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
     throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
                seconds, " s waiting for ", peerName,
-               " (did it call the same collective? is it alive? shared-memory step ", value, ")");
+               " (did it call the same collective? is it alive? waiting for step ", value, "; ",
+               arena_->describe(), ")");
   }
   throwError(ErrorKind::kConnection, prefix(), ": ", failure);
 }

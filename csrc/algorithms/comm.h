@@ -36,6 +36,9 @@ class Comm {
   // As above with a per-op timeout (torch's per-call options).
   void begin(const std::string& op, std::chrono::milliseconds timeout);
   void setAlgorithm(const std::string& algorithm) { algorithm_ = algorithm; }
+  // Starts a collective that is part of `outer`'s (a sub-group's share of it):
+  // same op, tag, timeout and deadline.
+  void beginWithin(const Comm& outer, const std::string& algorithm);
   const std::string& opName() const { return op_; }
   std::string prefix() const;
 
@@ -54,6 +57,10 @@ class Comm {
   // share a host); shm-native algorithms use it, the others ignore it.
   ShmArena* arena() const { return arena_; }
   void setArena(ShmArena* arena) { arena_ = arena; }
+  // The lowest rank on each host, ascending (empty when unknown). With the
+  // arena it gives the hierarchical all-reduce its two levels.
+  const std::vector<int>& hostLeaders() const { return hostLeaders_; }
+  void setHostLeaders(std::vector<int> leaders) { hostLeaders_ = std::move(leaders); }
   // Waits until local rank `peer` of the arena has published `phase` >= value,
   // before the deadline; failures and timeouts throw like wait().
   void waitArena(int peer, ShmArena::Phase phase, uint64_t value);
@@ -76,6 +83,7 @@ class Comm {
   std::string op_;
   std::string algorithm_;
   ShmArena* arena_ = nullptr;
+  std::vector<int> hostLeaders_;
   std::vector<std::unique_ptr<char[]>> scratch_;
   std::vector<size_t> scratchBytes_;
 };

@@ -29,6 +29,7 @@ const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm) {
     case AllreduceAlgorithm::kTree: return "tree";
     case AllreduceAlgorithm::kSharded: return "sharded";
     case AllreduceAlgorithm::kShm: return "shm";
+    case AllreduceAlgorithm::kHierarchical: return "hierarchical";
   }
   return "unknown";
 }
@@ -39,12 +40,28 @@ AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name) {
   if (name == "tree") return AllreduceAlgorithm::kTree;
   if (name == "sharded") return AllreduceAlgorithm::kSharded;
   if (name == "shm") return AllreduceAlgorithm::kShm;
+  if (name == "hierarchical") return AllreduceAlgorithm::kHierarchical;
   throwError(ErrorKind::kUsage, "pycomm: unknown all-reduce algorithm '", name,
-             "' (expected auto, ring, tree, sharded or shm)");
+             "' (expected auto, ring, tree, sharded, shm or hierarchical)");
 }
 
-AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int n, bool oneHost) {
+void checkAlgorithmFits(const Comm& comm, AllreduceAlgorithm algorithm) {
+  PYCOMM_CHECK_USAGE(algorithm != AllreduceAlgorithm::kShm || onOneHost(comm),
+                     "pycomm: the shm algorithm needs every rank of the group on one host "
+                     "(and PYCOMM_TRANSPORT other than tcp)");
+  PYCOMM_CHECK_USAGE(algorithm != AllreduceAlgorithm::kHierarchical || hierarchical(comm),
+                     "pycomm: the hierarchical algorithm needs a group over several hosts, some "
+                     "with several ranks (and PYCOMM_TRANSPORT other than tcp)");
+}
+
+AllreduceAlgorithm selectAllreduceAlgorithm(const Comm& comm, size_t bytes) {
+  return selectAllreduceAlgorithm(bytes, comm.size(), onOneHost(comm),
+                                  static_cast<int>(comm.hostLeaders().size()));
+}
+
+AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int n, bool oneHost, int hosts) {
   if (oneHost && n > 1) return AllreduceAlgorithm::kShm;
+  if (hosts > 1 && hosts < n) return AllreduceAlgorithm::kHierarchical;
   if (n <= 2) return bytes <= 4096 ? AllreduceAlgorithm::kTree : AllreduceAlgorithm::kRing;
   const double s = static_cast<double>(bytes);
   const double steps = std::ceil(std::log2(static_cast<double>(n)));

@@ -177,8 +177,13 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     // rank has published its host key.
     transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
     std::vector<int> local;
-    if (config_.transport != "tcp" && size > 1)
-      local = localRanks(adapter, config_.storePrefix, rank, size);
+    if (config_.transport != "tcp" && size > 1) {
+      const std::vector<int> leaderOf = hostLeaders(adapter, config_.storePrefix, rank, size);
+      for (int r = 0; r < size; ++r) {
+        if (leaderOf[r] == leaderOf[rank]) local.push_back(r);
+        if (leaderOf[r] == r) hostLeaders_.push_back(r);
+      }
+    }
     if (local.size() > 1) {
       arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, kArenaSlotBytes,
                                          kArenaDepth);
@@ -207,10 +212,12 @@ void ProcessGroupPycomm::start() {
   algorithm_ = static_cast<int>(parseAllreduceAlgorithm(config_.algorithm));
   comm_ = std::make_unique<Comm>(group_->transport(), config_.timeout, config_.segmentBytes);
   comm_->setArena(group_->arena());
-  if (static_cast<AllreduceAlgorithm>(algorithm_.load()) == AllreduceAlgorithm::kShm &&
-      !onOneHost(*comm_) && getSize() > 1)
-    usage("pycomm: PYCOMM_ALGO=shm needs every rank of the group on one host "
-          "(and PYCOMM_TRANSPORT other than tcp)");
+  comm_->setHostLeaders(hostLeaders_);
+  try {
+    checkAlgorithmFits(*comm_, static_cast<AllreduceAlgorithm>(algorithm_.load()));
+  } catch (const Error& e) {
+    usage(strCat(e.what(), " (PYCOMM_ALGO=", config_.algorithm, ")"));
+  }
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -335,9 +342,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
 void ProcessGroupPycomm::setAlgorithm(const std::string& name) {
   try {
     const AllreduceAlgorithm parsed = parseAllreduceAlgorithm(name);
-    PYCOMM_CHECK_USAGE(parsed != AllreduceAlgorithm::kShm || onOneHost(*comm_),
-                       "pycomm: the shm algorithm needs every rank of the group on one host "
-                       "(and PYCOMM_TRANSPORT other than tcp)");
+    checkAlgorithmFits(*comm_, parsed);
     algorithm_ = static_cast<int>(parsed);
   } catch (const Error& e) {
     usage(e.what());
@@ -351,7 +356,7 @@ std::string ProcessGroupPycomm::algorithm() const {
 std::string ProcessGroupPycomm::selectAlgorithm(size_t bytes) const {
   auto chosen = static_cast<AllreduceAlgorithm>(algorithm_.load());
   if (chosen == AllreduceAlgorithm::kAuto)
-    chosen = selectAllreduceAlgorithm(bytes, getSize(), onOneHost(*comm_));
+    chosen = selectAllreduceAlgorithm(*comm_, bytes);
   return allreduceAlgorithmName(chosen);
 }
 
@@ -385,7 +390,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
                    const size_t bytes = t.nbytes();
                    auto algorithm = static_cast<AllreduceAlgorithm>(algorithm_.load());
                    if (algorithm == AllreduceAlgorithm::kAuto)
-                     algorithm = selectAllreduceAlgorithm(bytes, c.size(), onOneHost(c));
+                     algorithm = selectAllreduceAlgorithm(c, bytes);
                    lastAlgorithm_ = static_cast<int>(algorithm);
                    if (debugEnabled())
                      debugLog(strCat("allreduce ", bytes, " B on ", c.size(), " ranks: ",

@@ -153,6 +153,8 @@ class ProcessGroupPycomm : public c10d::Backend {
   void runTask(Task& task);
 
   GroupConfig config_;
+  // The lowest rank of each host, ascending (empty with PYCOMM_TRANSPORT=tcp).
+  std::vector<int> hostLeaders_;
   std::shared_ptr<GroupState> group_;
   std::unique_ptr<Comm> comm_;  // used by the worker thread only
   std::atomic<int> algorithm_{0};

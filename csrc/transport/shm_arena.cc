@@ -33,7 +33,8 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
   const size_t n = members_.size();
   slotsOffset_ = roundUp(sizeof(Header) + n * sizeof(Control), 4096);
   const size_t bytes = slotsOffset_ + n * static_cast<size_t>(depth_) * slotBytes_;
-  mapSharedSegment(segment_, store, prefix, "arena", members_, self, bytes);
+  // One arena per host: the key names the host by its lowest rank.
+  mapSharedSegment(segment_, store, prefix, strCat("arena", members_.front()), members_, self, bytes);
   auto* header = reinterpret_cast<Header*>(segment_.data());
   if (localRank_ == 0) *header = {kMagic, n, slotBytes_, static_cast<uint64_t>(depth_)};
   // Everyone has mapped the segment (mapSharedSegment waited), but the header
@@ -128,6 +129,17 @@ void ShmArena::abort(const std::string& reason) {
     control(j).doorbell.fetch_add(1, std::memory_order_seq_cst);
     futexWakeAll(&control(j).doorbell);
   }
+}
+
+std::string ShmArena::describe() const {
+  std::string text = strCat("shared-memory progress (posted/reduced/consumed):");
+  for (int j = 0; j < localSize(); ++j) {
+    const Control& c = control(j);
+    text += strCat(j ? ";" : "", " ", rankName(members_[j]), " ", c.counter[kPosted].load(), "/",
+                   c.counter[kReduced].load(), "/", c.counter[kConsumed].load());
+  }
+  return text + strCat("; this rank's next step ", nextSegment_, " in ", segment_.name(), " pids ",
+                        control(0).pid.load(), ",", control(localSize() - 1).pid.load());
 }
 
 void ShmArena::countBytes(uint64_t in, uint64_t out) {

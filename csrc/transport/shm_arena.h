@@ -56,6 +56,9 @@ class ShmArena {
   void setRankNamer(std::function<std::string(int)> namer) { namer_ = std::move(namer); }
   std::string rankName(int groupRank) const;
 
+  // Every local rank's progress counters, for timeout messages.
+  std::string describe() const;
+
   // Bytes this rank copied into and read out of shared memory (pycomm.stats()).
   void countBytes(uint64_t in, uint64_t out);
 

@@ -55,14 +55,21 @@ std::string hostKey() {
                 "|", namespaceId("ipc"), "|", namespaceId("mnt"), "|", namespaceId("pid"));
 }
 
-std::vector<int> localRanks(KeyValueStore& store, const std::string& prefix, int rank, int size) {
-  const std::string mine = hostKey();
-  store.set(prefix + "host/" + std::to_string(rank), mine);
-  std::vector<int> local;
+std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size) {
+  store.set(prefix + "host/" + std::to_string(rank), hostKey());
+  std::vector<std::string> keys(size);
+  std::vector<int> leader(size);
   for (int r = 0; r < size; ++r) {
-    if (r == rank || store.get(prefix + "host/" + std::to_string(r)) == mine) local.push_back(r);
+    keys[r] = store.get(prefix + "host/" + std::to_string(r));
+    leader[r] = r;
+    for (int q = 0; q < r; ++q) {
+      if (keys[q] == keys[r]) {
+        leader[r] = q;
+        break;
+      }
+    }
   }
-  return local;
+  return leader;
 }
 
 ShmSegment::~ShmSegment() {

@@ -20,9 +20,10 @@ namespace pycomm {
 // namespaces are different hosts (multi-host tests on one machine use TCP).
 std::string hostKey();
 
-// The ranks that share this rank's host, in rank order (includes `rank`).
-// Publishes this rank's key under `<prefix>host/<rank>` and reads everyone's.
-std::vector<int> localRanks(KeyValueStore& store, const std::string& prefix, int rank, int size);
+// Which ranks share a host: entry r is the lowest rank on rank r's host (its
+// leader). Publishes this rank's key under `<prefix>host/<rank>` and reads
+// everyone's, so every rank computes the same vector.
+std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size);
 
 // A mapped shared-memory segment. The creator makes it with O_EXCL, sets it to
 // `bytes` (zero-filled), and removes the name once every user has mapped it
@@ -52,7 +53,7 @@ class ShmSegment {
 // Collective over `members` (ranks of the group whose store this is, `self`
 // among them): members[0] creates a segment under a fresh random name
 // (/dev/shm/pycomm-<pid>-<random>), publishes the name under
-// `<prefix>shm/<tag>/name`, the others map it and say so, and the creator
+// `<prefix>shm/<tag>/name` (`tag` must differ between hosts of one group), the others map it and say so, and the creator
 // unlinks the name once all have it: past that point nothing is left in
 // /dev/shm whatever happens to the processes.
 void mapSharedSegment(ShmSegment& segment, KeyValueStore& store, const std::string& prefix,

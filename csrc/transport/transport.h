@@ -98,7 +98,7 @@ class Transport {
 
   // How a rank is named in messages: its global rank when the transport
   // serves a subgroup.
-  std::string rankName(int groupRank) const {
+  virtual std::string rankName(int groupRank) const {
     if (groupRank >= 0 && static_cast<size_t>(groupRank) < globalRanks_.size())
       return "rank " + std::to_string(globalRanks_[groupRank]);
     return "rank " + std::to_string(groupRank);

@@ -1,0 +1,34 @@
+// Hierarchical all-reduce for groups over several hosts: (1) all-reduce among
+// the ranks of each host through the shared-memory arena, (2) all-reduce among
+// one leader per host (the lowest rank) over the transport with the algorithm
+// the cost model picks for that many leaders, (3) broadcast from the leader to
+// the other ranks of its host through the arena. Only one copy of the data per
+// host crosses the network.
+#include "algorithms/collectives.h"
+#include "transport/sub_transport.h"
+
+namespace pycomm {
+
+void allreduceHierarchical(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) {
+  const std::vector<int>& leaders = comm.hostLeaders();
+  // (1) Inside the host (nothing to do for a rank alone on its host).
+  comm.setAlgorithm("hierarchical/shm");
+  allreduceShm(comm, buf, count, dtype, op);
+  // (2) Among the leaders.
+  const ShmArena* arena = comm.arena();
+  const bool leader = arena == nullptr || arena->localRank() == 0;
+  if (leader) {
+    SubTransport view(comm.transport(), leaders);
+    Comm leaderComm(view, comm.timeout(), comm.segmentBytes());
+    const AllreduceAlgorithm algorithm =
+        selectAllreduceAlgorithm(count * elementSize(dtype), view.size());
+    leaderComm.beginWithin(comm, std::string("hierarchical/") + allreduceAlgorithmName(algorithm));
+    allreduce(leaderComm, buf, count, dtype, op, algorithm);
+  }
+  // (3) Back inside the host.
+  comm.setAlgorithm("hierarchical/shm");
+  if (arena != nullptr) broadcastShm(comm, buf, count * elementSize(dtype), 0);
+  comm.setAlgorithm("hierarchical");
+}
+
+}  // namespace pycomm

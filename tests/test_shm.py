@@ -1,0 +1,171 @@
+"""The intra-host shared-memory path (transport/shm_arena.*, algorithms/*_shm.cc).
+
+* Every collective takes it on one host: with PYCOMM_TRANSPORT=shm the TCP
+  transport carries no collective byte (the group's TCP counters stay at zero)
+  while pycomm.stats() counts the shared-memory bytes; with PYCOMM_TRANSPORT=tcp
+  the same calls go over TCP. Results are checked in both cases.
+* Waiting survives oversubscription: ranks blocked on a late peer sleep (their
+  CPU time stays far below the wall time they wait).
+* A rank SIGKILLed mid shm all-reduce is named by the survivors quickly, and
+  nothing is left in /dev/shm (tests/test_failures.py runs the same over TCP).
+"""
+import os
+import time
+
+import pytest
+import torch
+
+from mp_util import spawn_run
+
+
+def _collectives(ctx):
+    import torch.distributed as dist
+
+    import pycomm
+    from pycomm._backend import _backend_of
+
+    rank, n = ctx.rank, ctx.world_size
+    pg = _backend_of(None)
+    pycomm.reset_stats()
+    tcp_before = (pg.bytes_sent(), pg.bytes_received())
+    out = {}
+
+    x = torch.full((100003,), float(rank + 1))
+    dist.all_reduce(x)
+    out["all_reduce"] = bool(torch.all(x == n * (n + 1) / 2))
+    out["algorithm"] = pycomm.last_algorithm()
+
+    b = torch.arange(70001, dtype=torch.float64) if rank == 1 else torch.zeros(70001, dtype=torch.float64)
+    dist.broadcast(b, src=1)
+    out["broadcast"] = bool(torch.equal(b, torch.arange(70001, dtype=torch.float64)))
+
+    r = torch.full((5000,), rank + 1, dtype=torch.int32)
+    dist.reduce(r, dst=0)
+    out["reduce"] = rank != 0 or bool(torch.all(r == n * (n + 1) // 2))
+
+    parts = [torch.empty(30000, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(parts, torch.arange(30000, dtype=torch.int64) + 10**6 * rank)
+    out["all_gather"] = all(torch.equal(p, torch.arange(30000, dtype=torch.int64) + 10**6 * j)
+                            for j, p in enumerate(parts))
+
+    rs_in = torch.arange(n * 40000, dtype=torch.float32) * (rank + 1)
+    rs_out = torch.empty(40000)
+    dist.reduce_scatter_tensor(rs_out, rs_in)
+    full = torch.arange(n * 40000, dtype=torch.float32) * (n * (n + 1) / 2)
+    out["reduce_scatter"] = bool(torch.equal(rs_out, full[rank * 40000:(rank + 1) * 40000]))
+
+    g = [torch.empty(20000) for _ in range(n)] if rank == 0 else None
+    dist.gather(torch.full((20000,), float(rank)), g, dst=0)
+    out["gather"] = rank != 0 or all(bool(torch.all(t == j)) for j, t in enumerate(g))
+
+    s_out = torch.empty(20000)
+    dist.scatter(s_out, [torch.full((20000,), float(j + 7)) for j in range(n)] if rank == 2 else None, src=2)
+    out["scatter"] = bool(torch.all(s_out == rank + 7))
+
+    # Uneven all-to-all: rank r sends (r + j + 1) * 1000 elements to rank j.
+    send_sizes = [(rank + j + 1) * 1000 for j in range(n)]
+    recv_sizes = [(j + rank + 1) * 1000 for j in range(n)]
+    send = torch.cat([torch.full((c,), float(100 * rank + j)) for j, c in enumerate(send_sizes)])
+    recv = torch.empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes)
+    expected = torch.cat([torch.full((c,), float(100 * j + rank)) for j, c in enumerate(recv_sizes)])
+    out["all_to_all"] = bool(torch.equal(recv, expected))
+
+    dist.barrier()
+    stats = pycomm.stats()
+    out["tcp_bytes"] = (pg.bytes_sent() - tcp_before[0], pg.bytes_received() - tcp_before[1])
+    out["stats_sent"] = stats["bytes_sent"]
+    return out
+
+
+CHECKS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
+          "all_to_all"]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_every_collective_takes_the_shm_path(transport):
+    res = spawn_run(_collectives, 3, env={"PYCOMM_TRANSPORT": transport}, make_ref=False,
+                    timeout_s=120, pg_timeout_s=30).check()
+    for rank, out in res.returns.items():
+        wrong = [c for c in CHECKS if not out[c]]
+        assert not wrong, f"rank {rank} ({transport}): wrong results from {wrong}"
+        assert out["stats_sent"] > 0, out
+        if transport == "shm":
+            assert out["algorithm"] == "shm", out
+            assert out["tcp_bytes"] == (0, 0), f"rank {rank}: collectives used TCP: {out['tcp_bytes']}"
+        else:
+            assert out["algorithm"] != "shm", out
+            assert out["tcp_bytes"][0] > 0 and out["tcp_bytes"][1] > 0, out
+
+
+def _late_peer(ctx, delay_s):
+    import torch.distributed as dist
+
+    x = torch.ones(1000)
+    dist.all_reduce(x)  # warm: everyone is connected and mapped
+    dist.barrier()
+    if ctx.rank == 0:
+        time.sleep(delay_s)
+    wall, cpu = time.monotonic(), time.process_time()
+    dist.all_reduce(x)
+    return {"wall": time.monotonic() - wall, "cpu": time.process_time() - cpu,
+            "ok": bool(torch.all(x == ctx.world_size ** 2))}
+
+
+def test_waiting_ranks_sleep_when_oversubscribed():
+    """4 ranks on this 2-core machine; rank 0 arrives 2 s late. The others must
+    sleep while they wait, not spin: CPU time well under the wall time."""
+    delay = 2.0
+    res = spawn_run(_late_peer, 4, args=(delay,), env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                    timeout_s=120, pg_timeout_s=30).check()
+    for rank in (1, 2, 3):
+        out = res.returns[rank]
+        assert out["ok"], out
+        assert out["wall"] > delay * 0.5, out  # it really waited
+        assert out["cpu"] < 0.25 * out["wall"], f"rank {rank} burned CPU while waiting: {out}"
+
+
+def _silent_peer(ctx):
+    import torch.distributed as dist
+
+    x = torch.ones(100)
+    dist.all_reduce(x)
+    if ctx.rank == 1:
+        time.sleep(6)  # never calls the second all-reduce within rank 0's timeout
+        return {"skipped": True}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+
+
+def test_timeout_names_the_silent_rank():
+    res = spawn_run(_silent_peer, 2, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                    timeout_s=90, pg_timeout_s=3).check()
+    out = res.returns[0]
+    assert out["error"] is not None, out
+    assert "DistBackendError" in out["error"] and "timed out" in out["error"], out
+    assert "rank 1" in out["error"] and "(shm)" in out["error"], out
+    assert 2.5 < out["seconds"] < 3 + 5, out
+
+
+def _leftovers():
+    """Segments in /dev/shm named by pycomm whose creating process is gone."""
+    found = []
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith("pycomm-"):
+            continue
+        pid = int(name.split("-")[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            found.append(name)
+    return found
+
+
+def test_no_segment_left_in_dev_shm():
+    """Covers every run above (and any earlier in the session): segments are
+    unlinked as soon as every local rank mapped them."""
+    assert _leftovers() == []
