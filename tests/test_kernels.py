@@ -14,6 +14,7 @@ Tolerances (stated once):
     (per element variance <= scale^2 / 4, 1-bit: <= scale^2) of x.
   * error feedback: e_new == g + e - dequantize(packed) bit for bit.
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -340,20 +341,27 @@ def test_cpu_kernels_build_without_torch(tmp_path):
                        check=True, timeout=120)
 
 
-CUDA_SOURCES = ["topk.cu", "quantize.cu"]
+# Every .cu file, so a new kernel is compile-checked without editing this list.
+CUDA_SOURCES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "csrc", "kernels", "cuda", "*.cu")))
+
+
+def test_cuda_sources_listed():
+    assert {"topk.cu", "quantize.cu", "reduce.cu"} <= set(CUDA_SOURCES), CUDA_SOURCES
 
 
 @pytest.mark.parametrize("name", CUDA_SOURCES)
 def test_cuda_kernels_compile_with_nvcc(name):
-    """Compile check of csrc/kernels/cuda/*.cu for sm_90 (no GPU needed):
-    nvcc -std=c++17 -arch=sm_90 -Icsrc -c csrc/kernels/cuda/<name> -o /dev/null"""
+    """Compile check of csrc/kernels/cuda/*.cu for sm_90 (no GPU needed), host compiler g++
+    (also `make check-cuda`):
+    nvcc -std=c++17 -arch=sm_90 -ccbin g++ -Xcompiler -Wall -Icsrc -c csrc/kernels/cuda/<name> -o /dev/null"""
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
     if nvcc is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
         nvcc = "/usr/local/cuda/bin/nvcc"
     if nvcc is None:
         pytest.skip("nvcc not found (set NVCC or put nvcc on PATH) - CUDA kernels not compile-checked")
     src = os.path.join(ROOT, "csrc", "kernels", "cuda", name)
-    proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Xcompiler", "-Wall", "-I",
+    proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ccbin", os.environ.get("CXX", "g++"),
+                           "-Xcompiler", "-Wall", "-I",
                            os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

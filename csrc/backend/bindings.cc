@@ -10,6 +10,9 @@
 #include "algorithms/collectives.h"
 #include "common/stats.h"
 #include "backend/process_group.h"
+#ifdef PYCOMM_WITH_CUDA
+#include "backend/cuda_staging.h"
+#endif
 #include "backend/tensor_types.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/loopback.h"
@@ -136,7 +139,14 @@ PYBIND11_MODULE(_C, m) {
              config.globalRanks = std::move(globalRanks);
              config.checkCalls = checkCalls;
              config.storePrefix = storePrefix;
+#ifdef PYCOMM_WITH_CUDA
+             // Also takes CUDA tensors, staged through pinned host memory (cuda_staging.h).
+             return c10::intrusive_ptr<ProcessGroupPycomm>(
+                 c10::make_intrusive<pycomm::ProcessGroupPycommCuda>(store, rank, size,
+                                                                    std::move(config)));
+#else
              return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
+#endif
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
            py::arg("bind_address"), py::arg("segment_bytes"), py::arg("algorithm"),
@@ -175,6 +185,11 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_reset_stats", [] { pycomm::Stats::instance().reset(); });
   pycomm::registerKernelBindings(m);
+#ifdef PYCOMM_WITH_CUDA
+  m.def("_built_with_cuda", [] { return true; });
+#else
+  m.def("_built_with_cuda", [] { return false; });
+#endif
   m.def("_select_algorithm",
         [](size_t bytes, int worldSize) {
           return std::string(pycomm::allreduceAlgorithmName(

@@ -14,6 +14,10 @@
 #include "kernels/cpu/reduce.h"
 #include "transport/tcp.h"
 
+#ifdef PYCOMM_WITH_CUDA
+#include "backend/cuda_staging.h"  // stagedBody (CUDA build only)
+#endif
+
 namespace pycomm {
 
 DataType toDataType(const char* op, at::ScalarType type) {
@@ -280,6 +284,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
                                                            std::chrono::milliseconds timeout,
                                                            bool asyncOp, CallSignature signature) {
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, op, std::move(outputs));
+#ifdef PYCOMM_WITH_CUDA
+  // A call staged from CUDA tensors (cuda_staging.cc): the body first waits for
+  // the copies to host that the caller enqueued on its stream.
+  body = stagedBody(std::move(body));
+#endif
   Task task{op, std::move(body), work, effectiveTimeout(timeout), signature};
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
