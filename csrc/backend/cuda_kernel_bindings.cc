@@ -22,6 +22,15 @@ namespace {
 
 std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
 
+// The names the CPU bindings use in their messages (float32, not Float).
+std::string dtypeName(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kByte: return "uint8";
+    default: return c10::toString(dtype);
+  }
+}
+
 // A contiguous CUDA tensor of `dtype` on `device` (the first tensor's device when null).
 void checkCuda(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
                const at::Device* device = nullptr) {
@@ -29,8 +38,8 @@ void checkCuda(const char* op, const char* name, const at::Tensor& t, at::Scalar
   if (device != nullptr && t.device() != *device)
     usage(where(op) + name + " is on " + t.device().str() + ", expected " + device->str());
   if (t.scalar_type() != dtype)
-    C10_THROW_ERROR(TypeError, where(op) + name + " must be " + c10::toString(dtype) + " (got " +
-                                   c10::toString(t.scalar_type()) + ")");
+    C10_THROW_ERROR(TypeError, where(op) + name + " must be " + dtypeName(dtype) + " (got " +
+                                   dtypeName(t.scalar_type()) + ")");
   if (!t.is_contiguous()) usage(where(op) + name + " must be contiguous");
 }
 
@@ -43,7 +52,7 @@ at::Tensor outputOf(const char* op, const std::optional<at::Tensor>& out, int64_
   if (!out) return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
   const at::Tensor& t = *out;
   if (t.device() != device || t.scalar_type() != dtype || !t.is_contiguous() || t.numel() != numel)
-    usage(where(op) + "out must be a contiguous " + std::string(c10::toString(dtype)) +
+    usage(where(op) + "out must be a contiguous " + dtypeName(dtype) +
           " tensor of " + std::to_string(numel) + " elements on " + device.str());
   return t;
 }
