@@ -116,3 +116,12 @@ def test_cuda_available_agrees_with_build():
     assert pycomm.cuda_available() == (pycomm.built_with_cuda() and torch.cuda.is_available())
     devices = torch.distributed.Backend.backend_capability["pycomm"]
     assert devices == (["cpu", "cuda"] if pycomm.built_with_cuda() else ["cpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the benchmark would run")
+def test_cuda_benchmark_without_gpu_exits_with_a_message():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels_cuda.py"), "--quick"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "kernels_cuda: no CUDA device visible to torch" in proc.stderr
+    assert "Traceback" not in proc.stderr
