@@ -125,3 +125,34 @@ def test_cuda_benchmark_without_gpu_exits_with_a_message():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "kernels_cuda: no CUDA device visible to torch" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cuda_build_selected_when_torch_has_cuda():
+    """setup.py's CUDA branch, exercised here by pretending torch is a CUDA build: the
+    extension gains every .cu and cuda_*.cc file and the PYCOMM_WITH_CUDA macro."""
+    cuda_include = cuda_include_dir()
+    if cuda_include is None:
+        pytest.skip("no CUDA toolkit (nvcc not found)")
+    cuda_home = os.path.dirname(cuda_include.rstrip("/"))
+    code = f"""
+import json, os, runpy, setuptools, torch, torch.utils.cpp_extension as ext
+torch.version.cuda = "13.0"
+ext.CUDA_HOME = {cuda_home!r}
+os.environ["PYCOMM_BUILD_CUDA"] = "auto"
+seen = {{}}
+setuptools.setup = lambda **kw: seen.update(kw)
+runpy.run_path("setup.py", run_name="__main__")
+e = seen["ext_modules"][0]
+print(json.dumps({{"sources": e.sources, "macros": e.define_macros, "args": e.extra_compile_args}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    ext = json.loads(proc.stdout.strip().splitlines()[-1])
+    sources = set(ext["sources"])
+    assert {"csrc/kernels/cuda/reduce.cu", "csrc/kernels/cuda/topk.cu", "csrc/kernels/cuda/quantize.cu",
+            "csrc/backend/cuda_staging.cc", "csrc/backend/cuda_kernel_bindings.cc",
+            "csrc/backend/process_group.cc"} <= sources, sources
+    assert ["PYCOMM_WITH_CUDA", "1"] in ext["macros"]
+    assert "nvcc" in ext["args"] and "cxx" in ext["args"]
