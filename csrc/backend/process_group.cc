@@ -655,7 +655,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     checkLike(name, inputs[i], outputs[i], outputs[i].numel() * getSize(), "input " + std::to_string(i));
   }
   Tensors ins = inputs, outs = outputs;
-  return enqueue(name, OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs,
+  // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED exists only from torch 2.12 on,
+  // and the extension must also build against torch 2.11 (the GPU machine's).
+  return enqueue(name, OpType::COALESCED, outs,
                  [ins, outs, kinds](Comm& c) {
                    c.setAlgorithm("ring");
                    for (size_t i = 0; i < ins.size(); ++i)
