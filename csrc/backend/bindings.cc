@@ -160,6 +160,14 @@ PYBIND11_MODULE(_C, m) {
       .def("failure", &ProcessGroupPycomm::failure)
       .def("bytes_sent", &ProcessGroupPycomm::bytesSent)
       .def("bytes_received", &ProcessGroupPycomm::bytesReceived);
+#ifdef PYCOMM_WITH_CUDA
+  // Registered so that pybind11, which names an object by its most derived C++ type,
+  // hands torch's backend objects to Python as a ProcessGroupPycomm subclass (without
+  // it they arrive as a plain Backend and pycomm.set_algorithm & co reject them).
+  py::class_<pycomm::ProcessGroupPycommCuda, ProcessGroupPycomm,
+             c10::intrusive_ptr<pycomm::ProcessGroupPycommCuda>>(
+      m, "_ProcessGroupPycommCuda", "ProcessGroupPycomm that also stages CUDA tensors");
+#endif
 
   m.def("_loopback_collective", &pycomm::loopbackCollective, py::arg("collective"),
         py::arg("tensors"), py::arg("op") = "sum", py::arg("algorithm") = "auto",
