@@ -108,14 +108,17 @@ def test_divide_matches_cpu_kernel(dtype):
 
 
 def test_reduce_runs_on_the_current_stream():
-    a, b = gen(1 << 22, 1), gen(1 << 22, 2)
+    """The input is written on a side stream behind ~tens of ms of device sleep: only a
+    kernel ordered on that (current) stream sees the new values."""
+    a, b, new = gen(1 << 22, 1), gen(1 << 22, 2), gen(1 << 22, 3)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # ~tens of ms of device time ahead of the reduce
+        torch.cuda._sleep(50_000_000)
+        a.copy_(new)
         out = K.reduce(a, b, "sum")
     side.synchronize()
-    assert torch.equal(out, a + b)
+    assert torch.equal(out, new + b)
 
 
 def test_reduce_usage_errors_on_cuda():
@@ -273,18 +276,21 @@ def collectives_worker(ctx):
                 out[("allreduce", str(dtype), str(op), n)] = (
                     y.cpu(), _expected_allreduce(dtype, n, n, world, op))
 
-    # async + stream ordering: the result is used by a kernel launched after wait().
+    # Stream semantics: the input is written on a side stream behind a device sleep when
+    # all_reduce is called (the copy to host must wait for it), and the result is used by
+    # a kernel launched on that stream after wait() (which must wait for the copy back).
     x = data(torch.float32, 1 << 22, 7)
     ref = x.clone()
     dist.all_reduce(ref, group=ctx.ref)
-    y = x.cuda()
+    xs = x.cuda()
+    y = torch.zeros_like(xs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(20_000_000)  # the input is still being produced when all_reduce is called
-        y.mul_(1.0)
+        torch.cuda._sleep(20_000_000)
+        y.copy_(xs)
         work = dist.all_reduce(y, async_op=True)
-        work.wait()  # makes `side` wait for the result on the device
+        work.wait()
         z = y * 2
     side.synchronize()
     out["async_stream"] = (z.cpu(), ref * 2)
