@@ -2,23 +2,78 @@
 
 Install with `pip install --no-build-isolation -e .` so pip builds against the
 torch already installed instead of fetching another one.
+
+CUDA: when the installed torch is a CUDA build (torch.version.cuda) and nvcc is
+found (CUDA_HOME), pycomm._C is a CUDAExtension that adds csrc/kernels/cuda/*.cu
+and csrc/backend/cuda_*.cc and defines PYCOMM_WITH_CUDA; otherwise it is the CPU
+CppExtension, unchanged. PYCOMM_BUILD_CUDA=0 forces the CPU build, =1 makes a
+missing CUDA toolchain an error. pycomm.built_with_cuda() tells which was built.
 """
 import glob
 import os
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def want_cuda():
+    knob = os.environ.get("PYCOMM_BUILD_CUDA", "auto").strip().lower()
+    if knob not in ("auto", "0", "1"):
+        raise SystemExit(f"PYCOMM_BUILD_CUDA must be auto, 0 or 1 (got {knob!r})")
+    if knob == "0":
+        return False
+    have = torch.version.cuda is not None and CUDA_HOME is not None
+    if knob == "1" and not have:
+        raise SystemExit(
+            "PYCOMM_BUILD_CUDA=1 but "
+            + ("torch is a CPU build" if torch.version.cuda is None else "nvcc was not found (set CUDA_HOME)")
+        )
+    return have
+
+
+WITH_CUDA = want_cuda()
+
+
 def sources():
     # Every layer's C++ (kernels, transport, algorithms, backend); only
-    # csrc/backend/ includes torch headers.
+    # csrc/backend/ includes torch headers. csrc/backend/cuda_*.cc and
+    # csrc/kernels/cuda/*.cu are compiled only into the CUDA build.
     files = []
     for layer in ("common", "kernels/cpu", "transport", "algorithms", "backend"):
-        files += sorted(glob.glob(os.path.join("csrc", layer, "*.cc")))
+        for path in sorted(glob.glob(os.path.join("csrc", layer, "*.cc"))):
+            if WITH_CUDA or not os.path.basename(path).startswith("cuda_"):
+                files.append(path)
+    if WITH_CUDA:
+        files += sorted(glob.glob(os.path.join("csrc", "kernels", "cuda", "*.cu")))
     return files
+
+
+CXX_FLAGS = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+
+
+def extension():
+    if not WITH_CUDA:
+        return CppExtension(
+            name="pycomm._C",
+            sources=sources(),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args=CXX_FLAGS,
+        )
+    # Architectures: torch's TORCH_CUDA_ARCH_LIST (default: the visible GPUs).
+    return CUDAExtension(
+        name="pycomm._C",
+        sources=sources(),
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=[("PYCOMM_WITH_CUDA", "1")],
+        extra_compile_args={
+            "cxx": CXX_FLAGS,
+            "nvcc": ["-O3", "-std=c++17", "-Xcompiler", "-Wall", "-Xcompiler", "-Wno-unused-parameter"],
+        },
+    )
 
 
 setup(
@@ -29,14 +84,7 @@ setup(
     packages=find_packages(include=["pycomm", "pycomm.*"]),
     python_requires=">=3.9",
     install_requires=["torch", "numpy", "scikit-learn", "pyyaml", "tqdm", "matplotlib"],
-    ext_modules=[
-        CppExtension(
-            name="pycomm._C",
-            sources=sources(),
-            include_dirs=[os.path.join(ROOT, "csrc")],
-            extra_compile_args=["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"],
-        )
-    ],
+    ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     entry_points={
         "console_scripts": [

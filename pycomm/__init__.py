@@ -5,7 +5,7 @@
     import pycomm, torch.distributed as dist
     dist.init_process_group("pycomm")
 """
-import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+import torch  # loads libc10/libtorch, which _C links against
 
 from . import _C
 from ._backend import (
@@ -29,6 +29,19 @@ def stats() -> dict:
     return _C._stats()
 
 
+def built_with_cuda() -> bool:
+    """True when pycomm._C was built with its CUDA sources (a CUDA build of torch and
+    nvcc at build time; see setup.py): collectives and pycomm._C.kernels then accept
+    CUDA tensors."""
+    return bool(_C._built_with_cuda())
+
+
+def cuda_available() -> bool:
+    """True when CUDA tensors can be used with pycomm here: built with CUDA
+    (built_with_cuda()) and torch sees a GPU."""
+    return built_with_cuda() and torch.cuda.is_available()
+
+
 def reset_stats() -> None:
     """Zeroes the counters stats() reports."""
     _C._reset_stats()
@@ -39,7 +52,9 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKEND_NAME",
     "Config",
+    "built_with_cuda",
     "compression",
+    "cuda_available",
     "get_algorithm",
     "hooks",
     "last_algorithm",

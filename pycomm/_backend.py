@@ -55,7 +55,10 @@ def register() -> None:
     """Registers the backend with torch.distributed (done by `import pycomm`)."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+    # The CUDA build also takes CUDA tensors (staged through pinned host memory,
+    # csrc/backend/cuda_staging.h); the CPU build is registered for cpu only.
+    devices = ["cpu", "cuda"] if _C._built_with_cuda() else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)
 
 
 def _backend_of(group) -> "_C.ProcessGroupPycomm":

@@ -21,6 +21,9 @@ PYCOMM_CHECK           0          1 makes ranks compare each collective's call (
 PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce,
                                   dropped connections and failures to stderr (read
                                   by the C++ core)
+PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
+                                  auto / 0 / 1 = CUDA sources when available /
+                                  never / required
 =====================  =========  ==================================================
 
 Without PYCOMM_SOCKET_IFNAME, pycomm listens on the local address that routes to

@@ -14,6 +14,7 @@ Tolerances (stated once):
     (per element variance <= scale^2 / 4, 1-bit: <= scale^2) of x.
   * error feedback: e_new == g + e - dequantize(packed) bit for bit.
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -301,6 +302,60 @@ def test_out_buffers_are_used():
         K.quantize(x, 8, 64, out=torch.empty(3, dtype=torch.uint8))
 
 
+# --------------------------------------------------------------------------- reduce
+
+REDUCE_REFS = {
+    "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int8, torch.int32, torch.int64, torch.uint8], ids=str)
+def test_reduce_binding_matches_torch(dtype):
+    """kernels.reduce (the collectives' reduction kernel) against torch's element-wise ops:
+    equal element for element (one rounding per element; integers wrap like torch's)."""
+    g = torch.Generator().manual_seed(7)
+    for n in (0, 1, 1023, 100_003):
+        if dtype.is_floating_point:
+            a, b = (torch.randn(n, generator=g) * 100).to(dtype), (torch.randn(n, generator=g) * 100).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            a = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+            b = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+        for op, ref in REDUCE_REFS.items():
+            if dtype.is_floating_point and op.startswith("b"):
+                continue
+            assert torch.equal(K.reduce(a, b, op), ref(a, b)), (op, n)
+        out = a.clone()
+        assert K.reduce(out, b, "sum", out=out).data_ptr() == out.data_ptr()
+        assert torch.equal(out, a + b)
+        if dtype.is_floating_point:
+            assert torch.equal(K.divide_(a.clone(), 3), a / 3)
+
+
+def test_reduce_binding_bool_and_errors():
+    a = torch.tensor([0, 0, 1, 1], dtype=torch.bool)
+    b = torch.tensor([0, 1, 0, 1], dtype=torch.bool)
+    assert K.reduce(a, b, "sum").tolist() == [False, True, True, True]  # SUM is OR
+    assert K.reduce(a, b, "product").tolist() == [False, False, False, True]  # PRODUCT is AND
+    assert K.reduce(a, b, "bxor").tolist() == [False, True, True, False]
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="pycomm reduce: unknown op 'avg'"):
+        K.reduce(x, x, "avg")
+    with pytest.raises(ValueError, match="ReduceOp.BOR is not supported for float32"):
+        K.reduce(x, x, "bor")
+    with pytest.raises(ValueError, match="pycomm reduce: a and b must have the same dtype, size and device"):
+        K.reduce(x, torch.ones(5))
+    with pytest.raises(ValueError, match="pycomm reduce: on CPU, out may alias a but not b"):
+        y = torch.ones(4)
+        K.reduce(x, y, out=y)
+    with pytest.raises(TypeError, match="pycomm divide_: needs a floating dtype"):
+        K.divide_(torch.ones(4, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="pycomm divide_: divisor must be > 0"):
+        K.divide_(x, 0)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -340,20 +395,27 @@ def test_cpu_kernels_build_without_torch(tmp_path):
                        check=True, timeout=120)
 
 
-CUDA_SOURCES = ["topk.cu", "quantize.cu"]
+# Every .cu file, so a new kernel is compile-checked without editing this list.
+CUDA_SOURCES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "csrc", "kernels", "cuda", "*.cu")))
+
+
+def test_cuda_sources_listed():
+    assert {"topk.cu", "quantize.cu", "reduce.cu"} <= set(CUDA_SOURCES), CUDA_SOURCES
 
 
 @pytest.mark.parametrize("name", CUDA_SOURCES)
 def test_cuda_kernels_compile_with_nvcc(name):
-    """Compile check of csrc/kernels/cuda/*.cu for sm_90 (no GPU needed):
-    nvcc -std=c++17 -arch=sm_90 -Icsrc -c csrc/kernels/cuda/<name> -o /dev/null"""
+    """Compile check of csrc/kernels/cuda/*.cu for sm_90 (no GPU needed), host compiler g++
+    (also `make check-cuda`):
+    nvcc -std=c++17 -arch=sm_90 -ccbin g++ -Xcompiler -Wall -Icsrc -c csrc/kernels/cuda/<name> -o /dev/null"""
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
     if nvcc is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
         nvcc = "/usr/local/cuda/bin/nvcc"
     if nvcc is None:
         pytest.skip("nvcc not found (set NVCC or put nvcc on PATH) - CUDA kernels not compile-checked")
     src = os.path.join(ROOT, "csrc", "kernels", "cuda", name)
-    proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Xcompiler", "-Wall", "-I",
+    proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ccbin", os.environ.get("CXX", "g++"),
+                           "-Xcompiler", "-Wall", "-I",
                            os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

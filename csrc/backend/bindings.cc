@@ -10,6 +10,9 @@
 #include "algorithms/collectives.h"
 #include "common/stats.h"
 #include "backend/process_group.h"
+#ifdef PYCOMM_WITH_CUDA
+#include "backend/cuda_staging.h"
+#endif
 #include "backend/tensor_types.h"
 #include "kernels/cpu/reduce.h"
 #include "transport/loopback.h"
@@ -151,7 +154,14 @@ PYBIND11_MODULE(_C, m) {
              config.checkCalls = checkCalls;
              config.storePrefix = storePrefix;
              config.transport = transport;
+#ifdef PYCOMM_WITH_CUDA
+             // Also takes CUDA tensors, staged through pinned host memory (cuda_staging.h).
+             return c10::intrusive_ptr<ProcessGroupPycomm>(
+                 c10::make_intrusive<pycomm::ProcessGroupPycommCuda>(store, rank, size,
+                                                                    std::move(config)));
+#else
              return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
+#endif
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
            py::arg("bind_address"), py::arg("segment_bytes"), py::arg("algorithm"),
@@ -165,6 +175,14 @@ PYBIND11_MODULE(_C, m) {
       .def("failure", &ProcessGroupPycomm::failure)
       .def("bytes_sent", &ProcessGroupPycomm::bytesSent)
       .def("bytes_received", &ProcessGroupPycomm::bytesReceived);
+#ifdef PYCOMM_WITH_CUDA
+  // Registered so that pybind11, which names an object by its most derived C++ type,
+  // hands torch's backend objects to Python as a ProcessGroupPycomm subclass (without
+  // it they arrive as a plain Backend and pycomm.set_algorithm & co reject them).
+  py::class_<pycomm::ProcessGroupPycommCuda, ProcessGroupPycomm,
+             c10::intrusive_ptr<pycomm::ProcessGroupPycommCuda>>(
+      m, "_ProcessGroupPycommCuda", "ProcessGroupPycomm that also stages CUDA tensors");
+#endif
 
   m.def("_loopback_collective", &pycomm::loopbackCollective, py::arg("collective"),
         py::arg("tensors"), py::arg("op") = "sum", py::arg("algorithm") = "auto",
@@ -190,6 +208,11 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_reset_stats", [] { pycomm::Stats::instance().reset(); });
   pycomm::registerKernelBindings(m);
+#ifdef PYCOMM_WITH_CUDA
+  m.def("_built_with_cuda", [] { return true; });
+#else
+  m.def("_built_with_cuda", [] { return false; });
+#endif
   m.def("_select_algorithm",
         [](size_t bytes, int worldSize, bool oneHost) {
           return std::string(pycomm::allreduceAlgorithmName(

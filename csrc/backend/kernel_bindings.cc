@@ -2,7 +2,9 @@
 //
 // Thin wrappers for tests, benchmarks and the pure-Python codecs: they check the
 // tensors (usage errors raise ValueError / TypeError naming the op), release the
-// GIL and call the torch-free kernels in kernels/cpu/.
+// GIL and call the torch-free kernels in kernels/cpu/. In the CUDA build
+// (PYCOMM_WITH_CUDA) CUDA tensors go to cuda_kernel_bindings.cc instead, after
+// the device-independent arguments are checked here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <ATen/ATen.h>
@@ -12,8 +14,11 @@
 #include <string>
 #include <tuple>
 
+#include "backend/cuda_kernels.h"
+#include "backend/tensor_types.h"
 #include "common/error.h"
 #include "kernels/cpu/quantize.h"
+#include "kernels/cpu/reduce.h"
 #include "kernels/cpu/topk.h"
 
 namespace py = pybind11;
@@ -83,8 +88,15 @@ const char* pathName(TopkPath p) {
 
 std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x, double density, bool exact,
                                         int64_t seed) {
-  checkFloatTensor("topk", "x", x);
   checkSeed("topk", seed);
+#ifdef PYCOMM_WITH_CUDA
+  if (x.is_cuda())
+    return translate([&] {
+      const size_t k = topkCount("topk", static_cast<size_t>(x.numel()), density);
+      return cudabind::topk(x, k, exact, static_cast<uint64_t>(seed));
+    });
+#endif
+  checkFloatTensor("topk", "x", x);
   return translate([&] {
     const size_t n = static_cast<size_t>(x.numel());
     const size_t k = topkCount("topk", n, density);
@@ -135,13 +147,20 @@ py::dict topkInfo(const at::Tensor& x, double density, int64_t seed) {
 
 std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, double density,
                                           bool exact, int64_t seed) {
-  checkFloatTensor("topk_ef", "g", g);
-  checkFloatTensor("topk_ef", "e", e);
   checkSeed("topk_ef", seed);
   if (g.numel() != e.numel())
     raiseUsage("pycomm topk_ef: g and e must have the same number of elements (got " +
                std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
   if (g.is_same(e)) raiseUsage("pycomm topk_ef: g and e must be different tensors");
+#ifdef PYCOMM_WITH_CUDA
+  if (g.is_cuda() || e.is_cuda())
+    return translate([&] {
+      const size_t k = topkCount("topk_ef", static_cast<size_t>(g.numel()), density);
+      return cudabind::topkEf(g, e, k, exact, static_cast<uint64_t>(seed));
+    });
+#endif
+  checkFloatTensor("topk_ef", "g", g);
+  checkFloatTensor("topk_ef", "e", e);
   return translate([&] {
     const size_t n = static_cast<size_t>(g.numel());
     const size_t k = topkCount("topk_ef", n, density);
@@ -174,8 +193,14 @@ QuantizeOptions quantizeOptions(const char* op, int64_t bits, int64_t block, boo
 
 at::Tensor quantizeTensor(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic,
                           int64_t seed, const std::optional<at::Tensor>& outArg) {
-  checkFloatTensor("quantize", "x", x);
   checkSeed("quantize", seed);
+#ifdef PYCOMM_WITH_CUDA
+  if (x.is_cuda())
+    return translate([&] {
+      return cudabind::quantize(x, quantizeOptions("quantize", bits, block, stochastic, seed), outArg);
+    });
+#endif
+  checkFloatTensor("quantize", "x", x);
   return translate([&] {
     const QuantizeOptions opts = quantizeOptions("quantize", bits, block, stochastic, seed);
     const size_t n = static_cast<size_t>(x.numel());
@@ -191,13 +216,20 @@ at::Tensor quantizeTensor(const at::Tensor& x, int64_t bits, int64_t block, bool
 
 at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t block,
                       bool stochastic, int64_t seed, const std::optional<at::Tensor>& outArg) {
-  checkFloatTensor("quantize_ef", "g", g);
-  checkFloatTensor("quantize_ef", "e", e);
   checkSeed("quantize_ef", seed);
   if (g.numel() != e.numel())
     raiseUsage("pycomm quantize_ef: g and e must have the same number of elements (got " +
                std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
   if (g.is_same(e)) raiseUsage("pycomm quantize_ef: g and e must be different tensors");
+#ifdef PYCOMM_WITH_CUDA
+  if (g.is_cuda() || e.is_cuda())
+    return translate([&] {
+      return cudabind::quantizeEf(g, e, quantizeOptions("quantize_ef", bits, block, stochastic, seed),
+                                  outArg);
+    });
+#endif
+  checkFloatTensor("quantize_ef", "g", g);
+  checkFloatTensor("quantize_ef", "e", e);
   return translate([&] {
     const QuantizeOptions opts = quantizeOptions("quantize_ef", bits, block, stochastic, seed);
     const size_t n = static_cast<size_t>(g.numel());
@@ -214,10 +246,15 @@ at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t 
 
 at::Tensor dequantizeTensor(const at::Tensor& packed, int64_t count, int64_t bits, int64_t block,
                             const std::optional<at::Tensor>& outArg) {
-  if (packed.device().type() != at::kCPU || packed.scalar_type() != at::kByte ||
+  if (count < 0) raiseUsage("pycomm dequantize: count must be >= 0");
+#ifdef PYCOMM_WITH_CUDA
+  const bool onCuda = packed.is_cuda();
+#else
+  const bool onCuda = false;
+#endif
+  if ((!onCuda && packed.device().type() != at::kCPU) || packed.scalar_type() != at::kByte ||
       !packed.is_contiguous())
     raiseUsage("pycomm dequantize: packed must be a contiguous CPU uint8 tensor");
-  if (count < 0) raiseUsage("pycomm dequantize: count must be >= 0");
   return translate([&] {
     const size_t b = checkBlock("dequantize", block);
     checkQuantizeOptions("dequantize", static_cast<int>(bits), b);
@@ -228,6 +265,9 @@ at::Tensor dequantizeTensor(const at::Tensor& packed, int64_t count, int64_t bit
                  " bytes where " + std::to_string(need) + " were expected for count " +
                  std::to_string(n) + ", bits " + std::to_string(bits) + ", block " +
                  std::to_string(b));
+#ifdef PYCOMM_WITH_CUDA
+    if (onCuda) return cudabind::dequantize(packed, n, static_cast<int>(bits), b, outArg);
+#endif
     at::Tensor out = outputOf("dequantize", outArg, count, at::kFloat);
     {
       py::gil_scoped_release release;
@@ -237,10 +277,73 @@ at::Tensor dequantizeTensor(const at::Tensor& packed, int64_t count, int64_t bit
   });
 }
 
+ReduceOp reduceOpNamed(const std::string& name) {
+  static const std::pair<const char*, ReduceOp> ops[] = {
+      {"sum", ReduceOp::kSum}, {"product", ReduceOp::kProduct}, {"min", ReduceOp::kMin},
+      {"max", ReduceOp::kMax}, {"band", ReduceOp::kBand},       {"bor", ReduceOp::kBor},
+      {"bxor", ReduceOp::kBxor}};
+  for (const auto& [key, op] : ops)
+    if (name == key) return op;
+  raiseUsage("pycomm reduce: unknown op '" + name +
+             "' (sum, product, min, max, band, bor, bxor; AVG is SUM then divide_)");
+}
+
+// out = op(a, b) element-wise, on CPU or (CUDA build) CUDA tensors.
+at::Tensor reduceTensors(const at::Tensor& a, const at::Tensor& b, const std::string& opName,
+                         const std::optional<at::Tensor>& outArg) {
+  const ReduceOp op = reduceOpNamed(opName);
+  const DataType dtype = toDataType("reduce", a.scalar_type());
+  if (b.scalar_type() != a.scalar_type() || b.numel() != a.numel() || b.device() != a.device())
+    raiseUsage("pycomm reduce: a and b must have the same dtype, size and device");
+  if (!a.is_contiguous() || !b.is_contiguous()) raiseUsage("pycomm reduce: tensors must be contiguous");
+  at::Tensor out = outArg ? *outArg : at::empty_like(a);
+  if (out.scalar_type() != a.scalar_type() || out.numel() != a.numel() ||
+      out.device() != a.device() || !out.is_contiguous())
+    raiseUsage("pycomm reduce: out must be a contiguous tensor like a");
+  return translate([&] {
+    checkReduceSupported("reduce", op, dtype);
+#ifdef PYCOMM_WITH_CUDA
+    if (a.is_cuda()) {
+      cudabind::reduce(out, a, b, dtype, op);
+      return out;
+    }
+#endif
+    if (!a.device().is_cpu()) raiseUsage("pycomm reduce: tensors must be on the CPU (got " + a.device().str() + ")");
+    if (out.is_same(b) && !out.is_same(a))
+      raiseUsage("pycomm reduce: on CPU, out may alias a but not b");
+    if (!out.is_same(a)) out.copy_(a);
+    py::gil_scoped_release release;
+    reduceInto(out.data_ptr(), b.data_ptr(), static_cast<size_t>(a.numel()), dtype, op);
+    return out;
+  });
+}
+
+// t /= divisor in place (floating dtypes), on CPU or (CUDA build) CUDA tensors.
+at::Tensor divideTensor(at::Tensor& t, int64_t divisor) {
+  const DataType dtype = toDataType("divide_", t.scalar_type());
+  if (!isFloating(dtype)) throw py::type_error("pycomm divide_: needs a floating dtype (got " +
+                                               std::string(dataTypeName(dtype)) + ")");
+  if (divisor <= 0) raiseUsage("pycomm divide_: divisor must be > 0");
+  if (!t.is_contiguous()) raiseUsage("pycomm divide_: t must be contiguous");
+  return translate([&] {
+#ifdef PYCOMM_WITH_CUDA
+    if (t.is_cuda()) {
+      cudabind::divide(t, dtype, static_cast<int>(divisor));
+      return t;
+    }
+#endif
+    if (!t.device().is_cpu()) raiseUsage("pycomm divide_: t must be on the CPU (got " + t.device().str() + ")");
+    divideBy(t.data_ptr(), static_cast<size_t>(t.numel()), dtype, static_cast<int>(divisor));
+    return t;
+  });
+}
+
 }  // namespace
 
 void registerKernelBindings(py::module_& m) {
-  auto k = m.def_submodule("kernels", "compression kernels on CPU tensors (see csrc/kernels/)");
+  auto k = m.def_submodule("kernels",
+                           "compression and reduction kernels on CPU tensors, and on CUDA tensors "
+                           "in the CUDA build (see csrc/kernels/)");
   k.def("topk", &topk, py::arg("x"), py::arg("density"), py::arg("exact") = true,
         py::arg("seed") = 0,
         "(indices int64, values float32) of the largest |x| in ascending index order; exact: "
@@ -279,6 +382,12 @@ void registerKernelBindings(py::module_& m) {
         });
       },
       py::arg("count"), py::arg("bits"), py::arg("block"));
+  k.def("reduce", &reduceTensors, py::arg("a"), py::arg("b"), py::arg("op") = "sum",
+        py::arg("out") = py::none(),
+        "out = op(a, b) element-wise with the collectives' reduction kernels (kernels/cpu/reduce.h, "
+        "kernels/cuda/reduce.cuh); op: sum, product, min, max, band, bor, bxor");
+  k.def("divide_", &divideTensor, py::arg("t"), py::arg("divisor"),
+        "t /= divisor in place (floating dtypes; how AVG finishes)");
 }
 
 }  // namespace pycomm

@@ -16,6 +16,10 @@
 #include "transport/shm_segment.h"
 #include "transport/tcp.h"
 
+#ifdef PYCOMM_WITH_CUDA
+#include "backend/cuda_staging.h"  // stagedBody (CUDA build only)
+#endif
+
 namespace pycomm {
 
 DataType toDataType(const char* op, at::ScalarType type) {
@@ -317,6 +321,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
                                                            std::chrono::milliseconds timeout,
                                                            bool asyncOp, CallSignature signature) {
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, op, std::move(outputs));
+#ifdef PYCOMM_WITH_CUDA
+  // A call staged from CUDA tensors (cuda_staging.cc): the body first waits for
+  // the copies to host that the caller enqueued on its stream.
+  body = stagedBody(std::move(body));
+#endif
   Task task{op, std::move(body), work, effectiveTimeout(timeout), signature};
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
@@ -678,7 +687,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     checkLike(name, inputs[i], outputs[i], outputs[i].numel() * getSize(), "input " + std::to_string(i));
   }
   Tensors ins = inputs, outs = outputs;
-  return enqueue(name, OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs,
+  // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED exists only from torch 2.12 on,
+  // and the extension must also build against torch 2.11 (the GPU machine's).
+  return enqueue(name, OpType::COALESCED, outs,
                  [ins, outs, kinds](Comm& c) {
                    for (size_t i = 0; i < ins.size(); ++i)
                      reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
