@@ -188,9 +188,34 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
         if (leaderOf[r] == r) hostLeaders_.push_back(r);
       }
     }
+    std::string shmFailure;
     if (local.size() > 1) {
-      arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, kArenaSlotBytes,
-                                         kArenaDepth);
+      try {
+        arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, kArenaSlotBytes,
+                                           kArenaDepth);
+      } catch (const Error& e) {
+        shmFailure = e.what();
+      }
+    }
+    // Everyone uses shared memory, or nobody does (algorithm choices must agree);
+    // every rank says how it went before anyone gives up, so nobody waits.
+    if (config_.transport != "tcp" && size > 1) {
+      adapter.set(strCat(config_.storePrefix, "shm-ok/", rank), shmFailure.empty() ? "1" : "0");
+      bool everyone = true;
+      for (int r = 0; r < size; ++r)
+        everyone = adapter.get(strCat(config_.storePrefix, "shm-ok/", r)) == "1" && everyone;
+      if (!everyone) {
+        const std::string why = shmFailure.empty() ? "on another rank" : "(" + shmFailure + ")";
+        if (config_.transport == "shm")
+          throwError(ErrorKind::kConnection, "pycomm: shared memory setup failed ", why,
+                     " with PYCOMM_TRANSPORT=shm; PYCOMM_TRANSPORT=tcp avoids shared memory");
+        debugLog("shared memory setup failed " + why + "; every rank uses TCP only");
+        arena.reset();
+        local.clear();
+        hostLeaders_.clear();
+      }
+    }
+    if (arena) {
       std::weak_ptr<Transport> named = transport;
       arena->setRankNamer([named](int r) {
         auto t = named.lock();

@@ -123,15 +123,35 @@ void ShmSegment::unlink() {
 void mapSharedSegment(ShmSegment& segment, KeyValueStore& store, const std::string& prefix,
                       const std::string& tag, const std::vector<int>& members, int self,
                       size_t bytes) {
+  // A failure on any member is published (empty name, "0" mapped) before it
+  // is thrown, so no member waits on the store for the one that failed.
   const std::string base = prefix + "shm/" + tag + "/";
   if (self == members.front()) {
     const std::string name = strCat("/pycomm-", ::getpid(), "-", randomHex(8));
-    segment.create(name, bytes);
+    try {
+      segment.create(name, bytes);
+    } catch (const Error&) {
+      store.set(base + "name", "");
+      throw;
+    }
     store.set(base + "name", name);
-    for (size_t i = 1; i < members.size(); ++i) store.get(base + "mapped/" + std::to_string(members[i]));
+    std::string failed;
+    for (size_t i = 1; i < members.size(); ++i)
+      if (store.get(base + "mapped/" + std::to_string(members[i])) != "1" && failed.empty())
+        failed = std::to_string(members[i]);
     segment.unlink();
+    if (!failed.empty())
+      throwError(ErrorKind::kConnection, "rank ", failed, " could not map the shared memory ", name);
   } else {
-    segment.open(store.get(base + "name"), bytes);
+    const std::string name = store.get(base + "name");
+    try {
+      if (name.empty())
+        throwError(ErrorKind::kConnection, "rank ", members.front(), " could not create shared memory");
+      segment.open(name, bytes);
+    } catch (const Error&) {
+      store.set(base + "mapped/" + std::to_string(self), "0");
+      throw;
+    }
     store.set(base + "mapped/" + std::to_string(self), "1");
   }
 }
