@@ -1,0 +1,215 @@
+"""Compressed collectives (csrc/algorithms/allreduce_quantized.cc, allreduce_sparse.cc) over
+the loopback transport, threads as ranks, worlds 1..9.
+
+References are computed here with the kernels (pycomm._C.kernels) and torch:
+
+* quantized, deterministic rounding: the owners' chunks are whole blocks, so phase 1 equals
+  quantizing each rank's whole buffer, the owner sums the decoded buffers in rank order, and
+  phase 2 equals quantizing that sum: the result is ``dequantize(quantize(sum_r
+  dequantize(quantize(x_r))))``, bit for bit;
+* sparse, float32 values, owners keeping every entry: the dense sum of all pairs, added in
+  rank order, bit for bit;
+* with error feedback: nothing is lost -- sum_r (input_r + old residual_r) equals the result
+  plus sum_r new residual_r, to float rounding.
+"""
+import pytest
+import torch
+
+from pycomm import _C
+
+K = _C.kernels
+WORLDS = list(range(1, 10))
+
+
+def counts_for(n):
+    return sorted({0, 1, max(n - 1, 0), n + 1, 1001, 10007})
+
+
+def quantized(tensors, residuals=None, bits=8, block=256, stochastic=False, seed=0):
+    outs = [t.clone() for t in tensors]
+    _C._loopback_allreduce_quantized(outs, residuals, bits, block, stochastic, seed, 60.0)
+    return outs
+
+
+def codec(x, bits, block):
+    return K.dequantize(K.quantize(x, bits, block), x.numel(), bits, block)
+
+
+def inputs(n, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(count, generator=g) * (r + 1) for r in range(n)]
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_quantized_matches_reference(n):
+    for count in counts_for(n):
+        for bits, block in ((8, 256), (4, 7), (1, 32), (8, 1)):
+            xs = inputs(n, count, 10 * n + bits)
+            outs = quantized(xs, bits=bits, block=block)
+            acc = torch.zeros(count)
+            for r, x in enumerate(xs):
+                acc = codec(x, bits, block) if r == 0 else acc + codec(x, bits, block)
+            expected = codec(acc, bits, block)
+            for r, out in enumerate(outs):
+                assert torch.equal(out, expected), f"n={n} count={count} bits={bits} block={block} rank {r}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("bits", [8, 4, 1])
+def test_quantized_error_feedback_conserves(n, bits):
+    count = 5003
+    stochastic = bits != 1
+    residuals = [torch.zeros(count) for _ in range(n)]
+    for step in range(3):
+        xs = inputs(n, count, 100 * step + n)
+        before = sum(x + e for x, e in zip(xs, residuals))
+        outs = quantized(xs, residuals, bits=bits, block=64, stochastic=stochastic, seed=step)
+        assert all(torch.equal(o, outs[0]) for o in outs), "ranks disagree"
+        after = outs[0] + sum(residuals)
+        scale = before.abs().max().item()
+        assert (after - before).abs().max().item() <= 1e-5 * scale * n, f"step {step}: mass lost"
+        # the result approximates the sum within what the two quantizations can lose
+        assert (outs[0] - before).abs().max().item() <= scale * (n + 2), "result far from the sum"
+    # residuals are not all zero: there was something to feed back
+    assert any(e.abs().sum() > 0 for e in residuals)
+
+
+def test_quantized_stochastic_is_unbiased_on_average():
+    n, count, draws = 3, 512, 200
+    xs = inputs(n, count, 7)
+    exact = sum(xs)
+    total = torch.zeros(count)
+    for seed in range(draws):
+        total += quantized(xs, bits=4, block=32, stochastic=True, seed=seed)[0]
+    mean_err = (total / draws - exact).abs().mean().item()
+    one_err = (quantized(xs, bits=4, block=32, stochastic=True, seed=0)[0] - exact).abs().mean().item()
+    assert mean_err < one_err / 5, (mean_err, one_err)
+
+
+def test_quantized_usage_errors():
+    with pytest.raises(ValueError, match="bits"):
+        quantized([torch.zeros(10)], bits=3)
+    with pytest.raises(ValueError, match="block"):
+        quantized([torch.zeros(10)], block=0)
+
+
+# ---------------------------------------------------------------------------
+# sparse
+# ---------------------------------------------------------------------------
+
+def sparse_inputs(n, count, nnz, seed):
+    g = torch.Generator().manual_seed(seed)
+    indices, values = [], []
+    for r in range(n):
+        k = min(nnz, count)
+        idx = torch.sort(torch.randperm(count, generator=g)[:k]).values if count else torch.zeros(0, dtype=torch.long)
+        indices.append(idx.contiguous())
+        values.append((torch.randn(k, generator=g) * (r + 1)).contiguous())
+    return indices, values
+
+
+def dense_sum(indices, values, count, round_to=None):
+    total = torch.zeros(count)
+    for idx, val in zip(indices, values):
+        if round_to is not None:
+            val = val.to(round_to).float()
+        total.index_add_(0, idx, val)  # rank order, unique indices per rank
+    return total
+
+
+def sparse(indices, values, count, residuals=None, value_dtype="float32", keep=0.0):
+    return _C._loopback_allreduce_sparse(indices, values, count, residuals, value_dtype, keep, 60.0)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_sparse_sum_is_exact(n):
+    for count in counts_for(n):
+        for nnz in (0, 1, 7, 300):
+            indices, values = sparse_inputs(n, count, nnz, n * 1000 + count + nnz)
+            outs, sent, kept = sparse(indices, values, count)
+            expected = dense_sum(indices, values, count)
+            for r, out in enumerate(outs):
+                assert torch.equal(out, expected), f"n={n} count={count} nnz={nnz} rank {r}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 9])
+@pytest.mark.parametrize("value_dtype", ["float16", "bfloat16"])
+def test_sparse_half_values(n, value_dtype):
+    count = 4099
+    dt = getattr(torch, value_dtype)
+    indices, values = sparse_inputs(n, count, 100, n)
+    outs, _, _ = sparse(indices, values, count, value_dtype=value_dtype)
+    # the owner sums the rounded values in float32, the sum is rounded once more on the wire
+    expected = dense_sum(indices, values, count, round_to=dt).to(dt).float()
+    for out in outs:
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 9])
+def test_sparse_owner_keeps_its_largest(n):
+    count, keep = 10007, 0.01
+    indices, values = sparse_inputs(n, count, 500, 3 * n)
+    outs, sent, kept = sparse(indices, values, count, keep=keep)
+    exact = dense_sum(indices, values, count)
+    base, extra = divmod(count, n)
+    offsets = [0]
+    for c in range(n):
+        offsets.append(offsets[-1] + base + (1 if c < extra else 0))
+    for out in outs:
+        assert torch.equal(out, outs[0])
+    for c in range(n):
+        lo, hi = offsets[c], offsets[c + 1]
+        chunk_out, chunk_exact = outs[0][lo:hi], exact[lo:hi]
+        sel = chunk_out != 0
+        k = K.topk_count(hi - lo, keep)
+        assert int(sel.sum()) == kept[c] <= max(k, 1)
+        assert torch.equal(chunk_out[sel], chunk_exact[sel]), "kept entries are the exact sums"
+        if (~sel).any() and sel.any():
+            assert chunk_exact[sel].abs().min() >= chunk_exact[~sel].abs().max()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
+def test_sparse_error_feedback_conserves(n, value_dtype):
+    count = 3001
+    residuals = [torch.zeros(count) for _ in range(n)]
+    indices, values = sparse_inputs(n, count, 200, n + 17)
+    outs, _, _ = sparse(indices, values, count, residuals, value_dtype, keep=0.02)
+    before = dense_sum(indices, values, count)
+    after = outs[0] + sum(residuals)
+    assert (after - before).abs().max().item() <= 1e-5 * before.abs().max().item() * n
+    if n > 1 or value_dtype != "float32":
+        assert any(e.abs().sum() > 0 for e in residuals), "nothing was fed back"
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_sparse_bytes_and_dense_switch(n):
+    count = 20000
+    base, extra = divmod(count, n)
+    chunks = [base + (1 if c < extra else 0) for c in range(n)]
+    # every index: each message goes dense (values only), 16-byte header each
+    full = [torch.arange(count) for _ in range(n)]
+    vals = [torch.ones(count) * (r + 1) for r in range(n)]
+    outs, sent, kept = sparse(full, vals, count, value_dtype="bfloat16")
+    assert torch.equal(outs[0], torch.full((count,), n * (n + 1) / 2))
+    for r in range(n):
+        expected = sum(16 + 2 * chunks[c] for c in range(n) if c != r) + (n - 1) * (16 + 2 * chunks[r])
+        assert sent[r] == expected
+    # 1% density: varint gaps (1-2 bytes) + 2-byte values, well under 8 bytes per pair
+    indices, values = sparse_inputs(n, count, count // 100, 5)
+    outs, sent, kept = sparse(indices, values, count, value_dtype="bfloat16", keep=0.01)
+    for r in range(n):
+        pairs = len(indices[r]) * (n - 1) / n + sum(kept) * (n - 1) / n
+        assert sent[r] < 4.5 * pairs + 32 * n, (sent[r], pairs)
+
+
+def test_sparse_usage_errors():
+    idx = [torch.tensor([3, 1])]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        sparse(idx, [torch.ones(2)], 10)
+    with pytest.raises(ValueError, match="outside"):
+        sparse([torch.tensor([10])], [torch.ones(1)], 10)
+    with pytest.raises(ValueError, match="wire value type"):
+        sparse([torch.tensor([1])], [torch.ones(1)], 10, value_dtype="int8")
+    with pytest.raises(ValueError, match="keep density"):
+        sparse([torch.tensor([1])], [torch.ones(1)], 10, keep=1.5)
