@@ -68,6 +68,11 @@ __all__ = [
 ]
 
 _ALGORITHMS = ("auto", "ring", "tree", "sharded")
+# "auto": pycomm's compressed collectives on pycomm groups, all_gather elsewhere;
+# "allgather": the all_gather exchange everywhere (the reference path).
+_EXCHANGES = ("auto", "allgather")
+_VALUE_DTYPES = {None: None, "float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}
 _STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1
 
@@ -84,27 +89,34 @@ def _group_size(group) -> int:
 
 def _is_pycomm(group) -> bool:
     """Whether ``group`` (None: the default group) runs on the pycomm backend."""
+    return _pycomm_backend(group) is not None
+
+
+def _pycomm_backend(group):
+    """The group's ProcessGroupPycomm, or None when it runs on another backend."""
     try:
         from . import _C
 
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return isinstance(pg._get_backend(torch.device("cpu")), _C.ProcessGroupPycomm)
+        backend = pg._get_backend(torch.device("cpu"))
+        return backend if isinstance(backend, _C.ProcessGroupPycomm) else None
     except Exception:  # noqa: BLE001  (no such backend on the group, or not initialised)
-        return False
+        return None
 
 
 def _compressed_collective(group, kind: str) -> Optional[Callable]:
     """THE plug-in point for pycomm's compressed collectives.
 
-    When pycomm's C++ core gains compressed collectives (a sparse all-reduce for
-    ``kind == "topk"``; a two-phase quantized reduce-scatter + all-gather with
-    requantization for ``kind == "quantize"``), return here, for a pycomm ``group``, a
-    callable ``fn(state, bucket_buffer, encoded) -> Future[Tensor]`` that averages the
-    already-encoded local contribution. Until then this returns None and the hooks use
-    the all_gather exchange, which works on every backend."""
-    if not _is_pycomm(group):
+    For a pycomm ``group``, returns ``fn(state, buffer, world, step, segments) ->
+    Future[Tensor]`` that encodes the bucket with the C++ kernels (``pycomm._C.kernels``)
+    and averages it with the C++ collective: the sparse all-reduce for ``kind ==
+    "topk"``, the two-phase quantized all-reduce for ``kind == "quantize"``. Returns
+    None for any other backend; the hooks then use the all_gather exchange."""
+    backend = _pycomm_backend(group)
+    if backend is None:
         return None
-    return None  # pycomm's compressed collectives do not exist yet (csrc/algorithms/)
+    fn = {"topk": _topk_pycomm, "quantize": _quantize_pycomm}[kind]
+    return lambda state, buffer, world, step, segments: fn(backend, state, buffer, world, step, segments)
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -228,9 +240,14 @@ class _CompressionState:
     _kind = ""
     _op = ""
 
-    def __init__(self, process_group, error_feedback: bool, warmup_steps: int, seed: int):
+    def __init__(self, process_group, error_feedback: bool, warmup_steps: int, seed: int,
+                 exchange: str = "auto"):
         if int(warmup_steps) < 0:
             raise ValueError(f"pycomm {self._op}: warmup_steps must be >= 0 (got {warmup_steps!r})")
+        if exchange not in _EXCHANGES:
+            raise ValueError(f"pycomm {self._op}: exchange must be one of {', '.join(_EXCHANGES)} "
+                             f"(got {exchange!r})")
+        self.exchange = exchange
         self.process_group = process_group
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = int(warmup_steps)
@@ -277,6 +294,25 @@ class _CompressionState:
     def _store_residual(self, ordinal: int, residual: torch.Tensor) -> None:
         if self.error_feedback:
             self._residuals[ordinal] = residual
+
+    def _flat_residual(self, segments, numel: int) -> Optional[torch.Tensor]:
+        """The bucket's residuals as one float32 tensor (zeros where a parameter has none),
+        or None without error feedback. Every parameter's stored residual becomes a view
+        of it, so what a collective writes into it is what the next step feeds back."""
+        if not self.error_feedback:
+            return None
+        flat = torch.zeros(numel, dtype=torch.float32)
+        for ordinal, offset, n in segments:
+            residual = self._residuals.get(ordinal)
+            view = flat[offset: offset + n]
+            if residual is not None:
+                if residual.numel() != n:
+                    raise ValueError(
+                        f"pycomm {self._op}: the residual of parameter #{ordinal} has {residual.numel()} "
+                        f"elements but the parameter has {n} (state loaded from another model?)")
+                view.copy_(residual.reshape(-1))
+            self._residuals[ordinal] = view
+        return flat
 
     def _seeded(self, ordinal: int, step: int) -> torch.Generator:
         rank = dist.get_rank(self.process_group)
@@ -332,25 +368,36 @@ class TopKState(_CompressionState):
     ``density``: fraction of each parameter's entries sent per step (at least one).
     ``error_feedback``: add what was not sent to the next step's gradient.
     ``warmup_steps``: dense all-reduce for the first synchronised steps.
-    ``exact``: ``torch.topk`` selection; otherwise DGC's sampled threshold (about k
-    entries, padded with zeros to exactly k on the wire).
-    ``seed``: seeds the threshold sampling."""
+    ``exact``: exact selection; otherwise DGC's sampled threshold (about k entries;
+    padded with zeros to exactly k on the all_gather exchange).
+    ``seed``: seeds the threshold sampling.
+    ``exchange``: ``"auto"`` (pycomm's sparse all-reduce on pycomm groups, all_gather
+    elsewhere) or ``"allgather"`` (all_gather everywhere).
+    ``value_dtype``: values on the wire of the sparse all-reduce, ``"float32"``,
+    ``"float16"`` or ``"bfloat16"``; None: the bucket's dtype (float32 unless a 16-bit
+    wrapper cast it). Wire rounding goes into the residual."""
 
     _kind = "topk"
     _op = "topk_hook"
 
     def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
-                 warmup_steps: int = 0, exact: bool = False, *, seed: int = 0):
+                 warmup_steps: int = 0, exact: bool = False, *, seed: int = 0,
+                 exchange: str = "auto", value_dtype: Optional[str] = None):
         density = float(density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"pycomm topk_hook: density must be in (0, 1] (got {density!r})")
-        super().__init__(process_group, error_feedback, warmup_steps, seed)
+        if value_dtype not in _VALUE_DTYPES:
+            raise ValueError(f"pycomm topk_hook: value_dtype must be None, 'float32', 'float16' or "
+                             f"'bfloat16' (got {value_dtype!r})")
+        super().__init__(process_group, error_feedback, warmup_steps, seed, exchange)
         self.density = density
         self.exact = bool(exact)
+        self.value_dtype = value_dtype
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
-                "warmup_steps": self.warmup_steps}
+                "warmup_steps": self.warmup_steps, "exchange": self.exchange,
+                "value_dtype": self.value_dtype}
 
 
 # The name pycomm.train's hook discovery derives from "topk_hook".
@@ -394,6 +441,9 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket)
     if done is not None:
         return done
+    fast = _compressed_collective(group, "topk") if state.exchange == "auto" else None
+    if fast is not None:
+        return fast(state, buffer, world, step, segments)
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
         x = state._input(buffer, ordinal, offset, numel)
@@ -410,10 +460,6 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     values = torch.cat(value_parts)
     k_total = indices.numel()
     value_bytes = buffer.element_size()
-
-    fast = _compressed_collective(group, "topk")
-    if fast is not None:
-        return fast(state, buffer, (indices, values))
 
     if world * k_total * (4 + value_bytes) >= 2 * buffer.numel() * buffer.element_size():
         # Denser than the break-even point: a dense all-reduce of the sparsified bucket.
@@ -450,25 +496,29 @@ class QuantizeState(_CompressionState):
     stochastic rounding for 8/4 bits (1 bit is always deterministic);
     ``error_feedback``: carry the quantization error to the next step;
     ``warmup_steps``: dense all-reduce for the first synchronised steps; ``seed``: seeds
-    the stochastic rounding (per rank, step and parameter)."""
+    the stochastic rounding (per rank, step and parameter); ``exchange``: ``"auto"``
+    (pycomm's two-phase quantized all-reduce on pycomm groups, all_gather elsewhere) or
+    ``"allgather"`` (all_gather everywhere)."""
 
     _kind = "quantize"
     _op = "quantize_hook"
 
     def __init__(self, process_group=None, bits: int = 8, block: int = 256, stochastic: bool = True,
-                 error_feedback: bool = True, *, warmup_steps: int = 0, seed: int = 0):
+                 error_feedback: bool = True, *, warmup_steps: int = 0, seed: int = 0,
+                 exchange: str = "auto"):
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"pycomm quantize_hook: bits must be 8, 4 or 1 (got {bits!r})")
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"pycomm quantize_hook: block must be a positive integer (got {block!r})")
-        super().__init__(process_group, error_feedback, warmup_steps, seed)
+        super().__init__(process_group, error_feedback, warmup_steps, seed, exchange)
         self.bits = int(bits)
         self.block = int(block)
         self.stochastic = bool(stochastic)
 
     def _config(self) -> Dict[str, Any]:
         return {"bits": self.bits, "block": self.block, "stochastic": self.stochastic,
-                "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps}
+                "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps,
+                "exchange": self.exchange}
 
 
 def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -476,6 +526,9 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
     buffer, group, world, step, segments, done = _start_compressed("quantize_hook", state, QuantizeState, bucket)
     if done is not None:
         return done
+    fast = _compressed_collective(group, "quantize") if state.exchange == "auto" else None
+    if fast is not None:
+        return fast(state, buffer, world, step, segments)
     bits, block = state.bits, state.block
     stochastic = state.stochastic and bits != 1
     code_parts, scale_parts, layout = [], [], []
@@ -490,10 +543,6 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
         layout.append((offset, numel, q.codes.numel(), q.scales.numel()))
     codes = torch.cat(code_parts)
     scales = torch.cat(scale_parts)
-
-    fast = _compressed_collective(group, "quantize")
-    if fast is not None:
-        return fast(state, buffer, (codes, scales, layout))
 
     payload = torch.cat([codes, _as_bytes(scales)])
     fut, rows = _all_gather_bytes(payload, group, world)
@@ -517,6 +566,64 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
         return buffer
 
     return fut.then(decode)
+
+
+# ---------------------------------------------------------------------------
+# pycomm fast paths: C++ kernels + C++ compressed collectives
+# ---------------------------------------------------------------------------
+
+def _averaged_into(buffer: torch.Tensor, world: int):
+    def finish(fut):
+        total = _future_tensor(fut)  # re-raises a failed collective
+        buffer.copy_(total.div_(world))
+        return buffer
+    return finish
+
+
+def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
+    """Per parameter: top-k of gradient + residual with the fused C++ kernel (residual <- what
+    was not selected); then pycomm's sparse all-reduce (allreduce_sparse.cc): rank c owns
+    chunk c of every parameter, keeps the top ``density`` of each reduced chunk and feeds
+    back what it drops."""
+    from ._C import kernels
+
+    numel = buffer.numel()
+    rank = dist.get_rank(state.process_group)
+    residual = state._flat_residual(segments, numel)
+    scratch = None if residual is not None else torch.zeros(max(n for _, _, n in segments))
+    grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+    index_parts, value_parts = [], []
+    for ordinal, offset, n in segments:
+        g = grads[offset: offset + n]
+        e = residual[offset: offset + n] if residual is not None else scratch[:n].zero_()
+        seed = _mix_seed(state.seed, rank, step, ordinal)
+        indices, values = kernels.topk_ef(g, e, state.density, state.exact, seed)
+        index_parts.append(indices + offset)
+        value_parts.append(values)
+    indices = torch.cat(index_parts)
+    values = torch.cat(value_parts)
+    value_dtype = state.value_dtype
+    if value_dtype is None:
+        value_dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(buffer.dtype, "float32")
+    out = torch.empty(numel, dtype=torch.float32)
+    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.density,
+                                    [n for _, _, n in segments])
+    return work.get_future().then(_averaged_into(buffer, world))
+
+
+def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):
+    """The bucket, plus its residual, through pycomm's two-phase quantized all-reduce
+    (allreduce_quantized.cc): rank c owns chunk c (whole blocks) of every parameter; the C++
+    kernels quantize, owners sum in float32 and requantize; both phases' errors land in the
+    residual. Seeds are mixed from (seed, step, parameter ordinal, rank, chunk), so a
+    parameter's result does not depend on the bucket layout."""
+    data = buffer.to(torch.float32, copy=True)
+    residual = state._flat_residual(segments, buffer.numel())
+    stochastic = state.stochastic and state.bits != 1
+    seed = _mix_seed(state.seed, step)  # the collective mixes in the parameter, rank and chunk
+    work = backend.allreduce_quantized(data, residual, state.bits, state.block, stochastic, seed,
+                                       [n for _, _, n in segments], [o for o, _, _ in segments])
+    return work.get_future().then(_averaged_into(buffer, world))
 
 
 # ---------------------------------------------------------------------------

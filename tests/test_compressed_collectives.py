@@ -25,14 +25,41 @@ def counts_for(n):
     return sorted({0, 1, max(n - 1, 0), n + 1, 1001, 10007})
 
 
-def quantized(tensors, residuals=None, bits=8, block=256, stochastic=False, seed=0):
+def quantized(tensors, residuals=None, bits=8, block=256, stochastic=False, seed=0, segments=()):
     outs = [t.clone() for t in tensors]
-    _C._loopback_allreduce_quantized(outs, residuals, bits, block, stochastic, seed, 60.0)
+    _C._loopback_allreduce_quantized(outs, residuals, bits, block, stochastic, seed, list(segments), 60.0)
     return outs
 
 
-def codec(x, bits, block):
-    return K.dequantize(K.quantize(x, bits, block), x.numel(), bits, block)
+def codec(x, bits, block, segments=()):
+    """Quantize + dequantize with blocks restarting at every segment."""
+    parts = x.split(list(segments)) if segments else [x]
+    return torch.cat([K.dequantize(K.quantize(p.contiguous(), bits, block), p.numel(), bits, block)
+                      for p in parts]) if x.numel() else x.clone()
+
+
+def split_segments(count, parts, seed):
+    """`parts` random segment lengths summing to count (some may be 0)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, count + 1, (parts - 1,), generator=g).tolist())
+    return [b - a for a, b in zip([0] + cuts, cuts + [count])]
+
+
+def ownership(segments, count, n, align=1):
+    """Python mirror of csrc/algorithms/ownership.h: per owner, [(global, length)]."""
+    pieces, at = [[] for _ in range(n)], 0
+    for length in (segments or [count]):
+        units = -(-length // align)
+        base, extra = divmod(units, n)
+        lo = 0
+        for c in range(n):
+            hi = lo + base + (1 if c < extra else 0)
+            a, b = min(length, lo * align), min(length, hi * align)
+            if b > a:
+                pieces[c].append((at + a, b - a))
+            lo = hi
+        at += length
+    return pieces
 
 
 def inputs(n, count, seed):
@@ -44,14 +71,37 @@ def inputs(n, count, seed):
 def test_quantized_matches_reference(n):
     for count in counts_for(n):
         for bits, block in ((8, 256), (4, 7), (1, 32), (8, 1)):
-            xs = inputs(n, count, 10 * n + bits)
-            outs = quantized(xs, bits=bits, block=block)
-            acc = torch.zeros(count)
-            for r, x in enumerate(xs):
-                acc = codec(x, bits, block) if r == 0 else acc + codec(x, bits, block)
-            expected = codec(acc, bits, block)
-            for r, out in enumerate(outs):
-                assert torch.equal(out, expected), f"n={n} count={count} bits={bits} block={block} rank {r}"
+            for segments in ([], split_segments(count, 5, count + bits)):
+                xs = inputs(n, count, 10 * n + bits)
+                outs = quantized(xs, bits=bits, block=block, segments=segments)
+                acc = torch.zeros(count)
+                for r, x in enumerate(xs):
+                    d = codec(x, bits, block, segments)
+                    acc = d if r == 0 else acc + d
+                expected = codec(acc, bits, block, segments)
+                for r, out in enumerate(outs):
+                    assert torch.equal(out, expected), \
+                        f"n={n} count={count} bits={bits} block={block} segments={segments} rank {r}"
+
+
+def test_quantized_result_depends_on_the_segment_alone():
+    """Stochastic rounding and error feedback: a segment's result and residual are the same
+    whatever other segments share the buffer (the property DDP's bucket rebuild relies on;
+    keys default to segment positions, so the segment stays at position 0 here)."""
+    n, block = 3, 16
+    a, b = inputs(n, 1000, 1), inputs(n, 333, 2)
+    alone_res = [torch.full((1000,), 0.01) for _ in range(n)]
+    alone = quantized(a, alone_res, bits=4, block=block, stochastic=True, seed=5, segments=[1000])
+    pair_res = [torch.cat([torch.full((1000,), 0.01), torch.zeros(333)]) for _ in range(n)]
+    pair = quantized([torch.cat([x, y]) for x, y in zip(a, b)], pair_res, bits=4, block=block,
+                     stochastic=True, seed=5, segments=[1000, 333])
+    for r in range(n):
+        assert torch.equal(pair[r][:1000], alone[r])
+        assert torch.equal(pair_res[r][:1000], alone_res[r])
+    # without segments the blocks and owners follow the whole buffer: results differ
+    whole = quantized([torch.cat([x, y]) for x, y in zip(a, b)], bits=4, block=block,
+                      stochastic=True, seed=5)
+    assert not torch.equal(whole[0][:1000], alone[0])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
@@ -117,8 +167,9 @@ def dense_sum(indices, values, count, round_to=None):
     return total
 
 
-def sparse(indices, values, count, residuals=None, value_dtype="float32", keep=0.0):
-    return _C._loopback_allreduce_sparse(indices, values, count, residuals, value_dtype, keep, 60.0)
+def sparse(indices, values, count, residuals=None, value_dtype="float32", keep=0.0, segments=()):
+    return _C._loopback_allreduce_sparse(indices, values, count, residuals, value_dtype, keep,
+                                         list(segments), 60.0)
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -126,7 +177,8 @@ def test_sparse_sum_is_exact(n):
     for count in counts_for(n):
         for nnz in (0, 1, 7, 300):
             indices, values = sparse_inputs(n, count, nnz, n * 1000 + count + nnz)
-            outs, sent, kept = sparse(indices, values, count)
+            segments = split_segments(count, 4, nnz) if nnz % 2 else []
+            outs, sent, kept = sparse(indices, values, count, segments=segments)
             expected = dense_sum(indices, values, count)
             for r, out in enumerate(outs):
                 assert torch.equal(out, expected), f"n={n} count={count} nnz={nnz} rank {r}"
@@ -146,26 +198,26 @@ def test_sparse_half_values(n, value_dtype):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 6, 9])
-def test_sparse_owner_keeps_its_largest(n):
+@pytest.mark.parametrize("segmented", [False, True])
+def test_sparse_owner_keeps_its_largest(n, segmented):
     count, keep = 10007, 0.01
+    segments = [5000, 7, 0, 3000, 2000] if segmented else []
     indices, values = sparse_inputs(n, count, 500, 3 * n)
-    outs, sent, kept = sparse(indices, values, count, keep=keep)
+    outs, sent, kept = sparse(indices, values, count, keep=keep, segments=segments)
     exact = dense_sum(indices, values, count)
-    base, extra = divmod(count, n)
-    offsets = [0]
-    for c in range(n):
-        offsets.append(offsets[-1] + base + (1 if c < extra else 0))
     for out in outs:
         assert torch.equal(out, outs[0])
-    for c in range(n):
-        lo, hi = offsets[c], offsets[c + 1]
-        chunk_out, chunk_exact = outs[0][lo:hi], exact[lo:hi]
-        sel = chunk_out != 0
-        k = K.topk_count(hi - lo, keep)
-        assert int(sel.sum()) == kept[c] <= max(k, 1)
-        assert torch.equal(chunk_out[sel], chunk_exact[sel]), "kept entries are the exact sums"
-        if (~sel).any() and sel.any():
-            assert chunk_exact[sel].abs().min() >= chunk_exact[~sel].abs().max()
+    for c, pieces in enumerate(ownership(segments, count, n)):
+        total = 0
+        for lo, length in pieces:
+            piece_out, piece_exact = outs[0][lo:lo + length], exact[lo:lo + length]
+            sel = piece_out != 0
+            total += int(sel.sum())
+            assert int(sel.sum()) <= K.topk_count(length, keep)
+            assert torch.equal(piece_out[sel], piece_exact[sel]), "kept entries are the exact sums"
+            if (~sel).any() and sel.any():
+                assert piece_exact[sel].abs().min() >= piece_exact[~sel].abs().max()
+        assert total == kept[c]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 9])

@@ -1,21 +1,24 @@
 // Sparse all-reduce of (index, value) pairs, for top-k sparsified gradients.
 //
-// Rank c owns chunk c of the dense index space (balancedOffsets(count, n)).
+// The dense index space is a run of segments (parameters); rank c owns chunk c of
+// every segment (balanced, ownership.h). Its "owned space" is the concatenation of
+// those pieces; messages to and from owner c index into it.
 //
-//   phase 1: every rank sends each owner the pairs whose index falls in its chunk;
-//            the owner adds the n contributions into a dense float32 chunk in rank
-//            order (0, 1, ..., n-1).
-//   phase 2: the owner keeps the ceil(keepDensity * chunk) largest |sum| of its chunk
-//            (all nonzero entries when keepDensity == 0) and sends them to every
+//   phase 1: every rank sends each owner the pairs whose index it owns; the owner
+//            adds the n contributions into a dense float32 owned space in rank order
+//            (0, 1, ..., n-1).
+//   phase 2: the owner keeps, of every piece, the ceil(keepDensity * piece) largest
+//            |sum| (all nonzero entries when keepDensity == 0) and sends them to every
 //            rank; every rank (the owner included) decodes every owner's message into
-//            the dense output, so the result is bit-identical everywhere.
+//            the dense output, so the result is bit-identical everywhere. What each
+//            element becomes depends on its segment alone, not on the other segments.
 //
 // Messages (little-endian): a 16-byte header {uint32 format, uint32 nnz, uint64
 // payloadBytes}, then the payload in a second message.
-//   format 0 (sparse): the nnz indices relative to the chunk start, as LEB128 varints
-//            of the gaps (first: index - 0, then index - previous - 1), then nnz values
-//            in the wire value type;
-//   format 1 (dense):  every element of the chunk in the wire value type.
+//   format 0 (sparse): the nnz positions in the owner's space, ascending, as LEB128
+//            varints of the gaps (first: position, then position - previous - 1), then
+//            nnz values in the wire value type;
+//   format 1 (dense):  every element of the owner's space in the wire value type.
 // Each message takes whichever is smaller, so a dense union costs no more than a
 // dense reduce of that chunk. The wire value type is float32, float16 or bfloat16
 // (round to nearest even).
@@ -29,6 +32,7 @@
 #include <vector>
 
 #include "algorithms/collectives.h"
+#include "algorithms/ownership.h"
 #include "kernels/cpu/half.h"
 #include "kernels/cpu/topk.h"
 
@@ -179,40 +183,54 @@ void checkSparseInput(const char* op, const int64_t* indices, size_t nnz, size_t
 }
 
 SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const float* values,
-                                      size_t nnz, size_t count, float* out, float* residual,
-                                      const SparseAllreduceOptions& opts) {
+                                      size_t nnz, size_t count, const std::vector<size_t>& segments,
+                                      float* out, float* residual, const SparseAllreduceOptions& opts) {
   checkValueType(opts.valueType);
   PYCOMM_CHECK_USAGE(opts.keepDensity >= 0.0 && opts.keepDensity <= 1.0,
                "pycomm allreduce_sparse: keep density must be in [0, 1] (got ", opts.keepDensity, ")");
   checkSparseInput("allreduce_sparse", indices, nnz, count);
   const int n = comm.size();
   const int r = comm.rank();
-  const std::vector<size_t> offsets = balancedOffsets(count, n);
-  const size_t lo = offsets[r];
-  const size_t mine = offsets[r + 1] - lo;
+  const Ownership own = segmentOwnership(segments, count, n, 1);
+  const size_t mine = own.owned[r];
+  const size_t valueBytes = elementSize(opts.valueType);
   SparseAllreduceResult result;
 
-  // ---- phase 1: the pairs of chunk c to owner c
+  // Every piece in buffer order, with its owner.
+  std::vector<std::pair<Piece, int>> ordered;
+  for (int c = 0; c < n; ++c)
+    for (const Piece& p : own.pieces[c]) ordered.push_back({p, c});
+  std::sort(ordered.begin(), ordered.end(),
+            [](const auto& a, const auto& b) { return a.first.global < b.first.global; });
+
+  // ---- phase 1: each pair to the owner of its index, at its place in the owner's space
   std::vector<Message> toOwner(n);
   {
-    size_t j = 0;
-    std::vector<uint32_t> rel;
-    for (int c = 0; c < n; ++c) {
-      const size_t begin = j;
-      rel.clear();
-      while (j < nnz && static_cast<size_t>(indices[j]) < offsets[c + 1]) {
-        rel.push_back(static_cast<uint32_t>(indices[j] - offsets[c]));
-        ++j;
-      }
-      toOwner[c] = encode(rel, values + begin, offsets[c + 1] - offsets[c], opts.valueType);
+    std::vector<std::vector<uint32_t>> rel(n);
+    std::vector<std::vector<float>> vals(n);
+    size_t at = 0;
+    for (size_t j = 0; j < nnz; ++j) {
+      const size_t index = static_cast<size_t>(indices[j]);
+      while (ordered[at].first.global + ordered[at].first.length <= index) ++at;
+      const Piece& p = ordered[at].first;
+      const int c = ordered[at].second;
+      rel[c].push_back(static_cast<uint32_t>(p.local + (index - p.global)));
+      vals[c].push_back(values[j]);
       if (residual != nullptr && opts.valueType != DataType::kFloat32)
-        for (size_t t = begin; t < j; ++t)
-          residual[indices[t]] += values[t] - roundTrip(values[t], opts.valueType);
+        residual[index] += values[j] - roundTrip(values[j], opts.valueType);
     }
+    for (int c = 0; c < n; ++c) toOwner[c] = encode(rel[c], vals[c].data(), own.owned[c], opts.valueType);
   }
   std::vector<SparseHeader> headers(n);
   std::vector<std::vector<uint8_t>> payloads(n);
   std::vector<RequestPtr> recvs(n), sends;
+  auto checkAnnounced = [&](int peer, size_t elements) {
+    if (headers[peer].payloadBytes > elements * (valueBytes + 10) + 16)
+      throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(peer),
+                 " announced ", headers[peer].payloadBytes, " bytes for ", elements, " elements");
+    payloads[peer].resize(headers[peer].payloadBytes);
+    recvs[peer] = comm.recv(peer, payloads[peer].data(), headers[peer].payloadBytes);
+  };
   for (int k = 1; k < n; ++k) {
     const int peer = (r + k) % n;
     recvs[peer] = comm.recv(peer, &headers[peer], sizeof(SparseHeader));
@@ -224,16 +242,10 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
     sends.push_back(comm.send(owner, m.payload(), m.payloadBytes()));
     result.bytesSent += m.bytes.size();
   }
-  const size_t valueBytes = elementSize(opts.valueType);
   for (int k = 1; k < n; ++k) {  // payload receives, as their headers land
     const int peer = (r + k) % n;
     comm.wait(recvs[peer]);
-    const SparseHeader& h = headers[peer];
-    if (h.payloadBytes > mine * (valueBytes + 10) + 16)
-      throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(peer),
-                 " announced ", h.payloadBytes, " bytes for a chunk of ", mine, " elements");
-    payloads[peer].resize(h.payloadBytes);
-    recvs[peer] = comm.recv(peer, payloads[peer].data(), h.payloadBytes);
+    checkAnnounced(peer, mine);
   }
   float* sum = reinterpret_cast<float*>(comm.scratch(0, mine * sizeof(float)));
   std::fill(sum, sum + mine, 0.0f);
@@ -247,32 +259,46 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   }
   comm.waitAll(sends);
 
-  // ---- phase 2: the owner's selection of its reduced chunk to every rank
+  // ---- phase 2: the owner's selection of each reduced piece to every rank
   std::vector<uint32_t> rel;
   std::vector<float> kept;
-  if (opts.keepDensity > 0.0 && mine > 0) {
-    const size_t k = topkCount("allreduce_sparse", mine, opts.keepDensity);
-    std::vector<int64_t> idx(k);
-    std::vector<float> val(k);
-    topkExact(sum, mine, k, idx.data(), val.data());
-    for (size_t j = 0; j < k; ++j)
-      if (val[j] != 0.0f) {
-        rel.push_back(static_cast<uint32_t>(idx[j]));
-        kept.push_back(val[j]);
-      }
-  } else {
-    for (size_t i = 0; i < mine; ++i)
-      if (sum[i] != 0.0f) {
-        rel.push_back(static_cast<uint32_t>(i));
-        kept.push_back(sum[i]);
-      }
+  for (const Piece& p : own.pieces[r]) {
+    const float* s = sum + p.local;
+    if (opts.keepDensity > 0.0) {
+      const size_t k = topkCount("allreduce_sparse", p.length, opts.keepDensity);
+      std::vector<int64_t> idx(k);
+      std::vector<float> val(k);
+      topkExact(s, p.length, k, idx.data(), val.data());
+      for (size_t j = 0; j < k; ++j)
+        if (val[j] != 0.0f) {
+          rel.push_back(static_cast<uint32_t>(p.local + idx[j]));
+          kept.push_back(val[j]);
+        }
+    } else {
+      for (size_t i = 0; i < p.length; ++i)
+        if (s[i] != 0.0f) {
+          rel.push_back(static_cast<uint32_t>(p.local + i));
+          kept.push_back(s[i]);
+        }
+    }
   }
   Message reduced = encode(rel, kept.data(), mine, opts.valueType);
   result.keptByOwner = rel.size();
-  std::fill(out, out + count, 0.0f);
-  accumulate(comm, r, *reduced.header(), reduced.payload(), mine, opts.valueType, out + lo);
+  size_t largest = 0;
+  for (int c = 0; c < n; ++c) largest = std::max(largest, own.owned[c]);
+  float* decoded = reinterpret_cast<float*>(comm.scratch(1, largest * sizeof(float)));
+  // Decodes owner c's message into its owned space, then into place in `out`.
+  auto place = [&](int c, const SparseHeader& h, const uint8_t* payload) {
+    std::fill(decoded, decoded + own.owned[c], 0.0f);
+    accumulate(comm, c, h, payload, own.owned[c], opts.valueType, decoded);
+    for (const Piece& p : own.pieces[c])
+      std::copy(decoded + p.local, decoded + p.local + p.length, out + p.global);
+  };
+  place(r, *reduced.header(), reduced.payload());
   if (residual != nullptr)
-    for (size_t i = 0; i < mine; ++i) residual[lo + i] += sum[i] - out[lo + i];
+    for (const Piece& p : own.pieces[r])
+      for (size_t i = 0; i < p.length; ++i)
+        residual[p.global + i] += sum[p.local + i] - out[p.global + i];
 
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;
@@ -286,20 +312,13 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   }
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;
-    const size_t chunk = offsets[owner + 1] - offsets[owner];
     comm.wait(recvs[owner]);
-    const SparseHeader& h = headers[owner];
-    if (h.payloadBytes > chunk * (valueBytes + 10) + 16)
-      throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(owner),
-                 " announced ", h.payloadBytes, " bytes for a chunk of ", chunk, " elements");
-    payloads[owner].resize(h.payloadBytes);
-    recvs[owner] = comm.recv(owner, payloads[owner].data(), h.payloadBytes);
+    checkAnnounced(owner, own.owned[owner]);
   }
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;
     comm.wait(recvs[owner]);
-    accumulate(comm, owner, headers[owner], payloads[owner].data(),
-               offsets[owner + 1] - offsets[owner], opts.valueType, out + offsets[owner]);
+    place(owner, headers[owner], payloads[owner].data());
   }
   comm.waitAll(sends);
   return result;

@@ -64,14 +64,17 @@ void barrierDissemination(Comm& comm);
 
 // Two-phase quantized all-reduce: buf (count float32) <- the sum over ranks of the
 // decoded quantized contributions, requantized by each chunk's owner; bit-identical on
-// every rank. residual (count float32, or nullptr): error feedback for both phases
-// (see allreduce_quantized.cc). opts.seed seeds stochastic rounding (mixed with the rank).
-void allreduceQuantized(Comm& comm, float* buf, size_t count, const QuantizeOptions& opts,
+// every rank. segments: lengths of the runs (parameters) the buffer holds, summing to
+// count (empty: one); rank c owns chunk c (whole blocks) of each, so blocks never cross
+// segments and each element's result depends on its segment alone. segmentKeys (empty,
+// or one per segment) name segments in the stochastic-rounding seeds. residual (count
+// float32, or nullptr): error feedback for both phases (see allreduce_quantized.cc).
+void allreduceQuantized(Comm& comm, float* buf, size_t count, const std::vector<size_t>& segments,
+                        const std::vector<uint64_t>& segmentKeys, const QuantizeOptions& opts,
                         float* residual);
-// The chunk owned by each rank: whole blocks, balanced; n+1 element offsets.
-std::vector<size_t> quantizedChunkOffsets(size_t count, size_t block, int parts);
 // Payload bytes `rank` sends in allreduceQuantized.
-size_t quantizedAllreduceBytes(size_t count, const QuantizeOptions& opts, int worldSize, int rank);
+size_t quantizedAllreduceBytes(size_t count, const std::vector<size_t>& segments,
+                               const QuantizeOptions& opts, int worldSize, int rank);
 
 struct SparseAllreduceOptions {
   DataType valueType = DataType::kFloat32;  // values on the wire: float32, float16 or bfloat16
@@ -82,13 +85,14 @@ struct SparseAllreduceResult {
   size_t keptByOwner = 0;  // entries this rank's chunk kept in phase 2
 };
 // Sparse all-reduce: out (count float32) <- the sum over ranks of the pairs
-// (indices strictly ascending in [0, count), values), reduced by chunk owners who keep
-// their largest entries (opts.keepDensity); bit-identical on every rank. residual
+// (indices strictly ascending in [0, count), values), reduced by the owners of each
+// segment's chunks, who keep their largest entries (opts.keepDensity); bit-identical on
+// every rank. segments as in allreduceQuantized. residual
 // (count float32, or nullptr): += wire rounding of this rank's values and, on owners,
 // what phase 2 dropped. Format and protocol in allreduce_sparse.cc.
 SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const float* values,
-                                      size_t nnz, size_t count, float* out, float* residual,
-                                      const SparseAllreduceOptions& opts);
+                                      size_t nnz, size_t count, const std::vector<size_t>& segments,
+                                      float* out, float* residual, const SparseAllreduceOptions& opts);
 // Throws a usage error naming `op` unless indices are strictly ascending in [0, count).
 void checkSparseInput(const char* op, const int64_t* indices, size_t nnz, size_t count);
 

@@ -160,7 +160,8 @@ void checkLoopbackFloats(const std::vector<at::Tensor>& tensors, const char* wha
 // tensors[r] <- the quantized sum (in place); residuals[r] updated when given.
 void loopbackAllreduceQuantized(std::vector<at::Tensor> tensors,
                                 std::optional<std::vector<at::Tensor>> residuals, int bits,
-                                int64_t block, bool stochastic, int64_t seed, double timeoutSeconds) {
+                                int64_t block, bool stochastic, int64_t seed,
+                                std::vector<size_t> segments, double timeoutSeconds) {
   const int n = static_cast<int>(tensors.size());
   checkLoopbackFloats(tensors, "tensors");
   if (residuals) {
@@ -175,7 +176,7 @@ void loopbackAllreduceQuantized(std::vector<at::Tensor> tensors,
   runLoopbackRanks(n, timeoutSeconds, [&](Comm& comm, int r) {
     comm.begin("allreduce_quantized");
     allreduceQuantized(comm, tensors[r].data_ptr<float>(), static_cast<size_t>(tensors[r].numel()),
-                       opts, residuals ? (*residuals)[r].data_ptr<float>() : nullptr);
+                       segments, {}, opts, residuals ? (*residuals)[r].data_ptr<float>() : nullptr);
   });
 }
 
@@ -183,7 +184,7 @@ void loopbackAllreduceQuantized(std::vector<at::Tensor> tensors,
 std::tuple<std::vector<at::Tensor>, std::vector<size_t>, std::vector<size_t>> loopbackAllreduceSparse(
     std::vector<at::Tensor> indices, std::vector<at::Tensor> values, int64_t count,
     std::optional<std::vector<at::Tensor>> residuals, const std::string& valueType,
-    double keepDensity, double timeoutSeconds) {
+    double keepDensity, std::vector<size_t> segments, double timeoutSeconds) {
   const int n = static_cast<int>(indices.size());
   checkLoopbackFloats(values, "values");
   if (static_cast<int>(values.size()) != n) throw py::value_error("one values tensor per rank");
@@ -205,7 +206,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<size_t>, std::vector<size_t>> lo
     comm.begin("allreduce_sparse");
     const SparseAllreduceResult result = allreduceSparse(
         comm, indices[r].data_ptr<int64_t>(), values[r].data_ptr<float>(),
-        static_cast<size_t>(indices[r].numel()), static_cast<size_t>(count),
+        static_cast<size_t>(indices[r].numel()), static_cast<size_t>(count), segments,
         outputs[r].data_ptr<float>(), residuals ? (*residuals)[r].data_ptr<float>() : nullptr, opts);
     sent[r] = result.bytesSent;
     kept[r] = result.keptByOwner;
@@ -254,25 +255,27 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "allreduce_quantized",
           [](ProcessGroupPycomm& pg, at::Tensor tensor, std::optional<at::Tensor> residual, int bits,
-             int64_t block, bool stochastic, int64_t seed, bool asyncOp) {
-            return pg.allreduceQuantizedTensor(tensor, residual.value_or(at::Tensor()), bits, block,
-                                               stochastic, seed, asyncOp);
+             int64_t block, bool stochastic, int64_t seed, std::vector<int64_t> segments,
+             std::vector<int64_t> keys, bool asyncOp) {
+            return pg.allreduceQuantizedTensor(tensor, residual.value_or(at::Tensor()), segments, keys,
+                                               bits, block, stochastic, seed, asyncOp);
           },
           py::arg("tensor"), py::arg("residual") = py::none(), py::arg("bits") = 8,
           py::arg("block") = 256, py::arg("stochastic") = false, py::arg("seed") = 0,
+          py::arg("segments") = std::vector<int64_t>{}, py::arg("keys") = std::vector<int64_t>{},
           py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
           "two-phase quantized all-reduce (SUM) of a float32 tensor in place; returns a Work")
       .def(
           "allreduce_sparse",
           [](ProcessGroupPycomm& pg, at::Tensor indices, at::Tensor values, at::Tensor out,
              std::optional<at::Tensor> residual, const std::string& valueDtype, double keepDensity,
-             bool asyncOp) {
+             std::vector<int64_t> segments, bool asyncOp) {
             return pg.allreduceSparseTensor(indices, values, out, residual.value_or(at::Tensor()),
-                                            valueDtype, keepDensity, asyncOp);
+                                            segments, valueDtype, keepDensity, asyncOp);
           },
           py::arg("indices"), py::arg("values"), py::arg("out"), py::arg("residual") = py::none(),
           py::arg("value_dtype") = "float32", py::arg("keep_density") = 0.0,
-          py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
+          py::arg("segments") = std::vector<int64_t>{}, py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
           "sparse all-reduce (SUM) of (ascending int64 indices, float32 values) into the dense "
           "float32 `out`; returns a Work");
 
@@ -282,11 +285,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("timeout_seconds") = 60.0);
   m.def("_loopback_allreduce_quantized", &pycomm::loopbackAllreduceQuantized, py::arg("tensors"),
         py::arg("residuals") = py::none(), py::arg("bits") = 8, py::arg("block") = 256,
-        py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("timeout_seconds") = 60.0);
+        py::arg("stochastic") = false, py::arg("seed") = 0,
+        py::arg("segments") = std::vector<size_t>{}, py::arg("timeout_seconds") = 60.0);
   m.def("_loopback_allreduce_sparse", &pycomm::loopbackAllreduceSparse, py::arg("indices"),
         py::arg("values"), py::arg("count"), py::arg("residuals") = py::none(),
         py::arg("value_dtype") = "float32", py::arg("keep_density") = 0.0,
-        py::arg("timeout_seconds") = 60.0);
+        py::arg("segments") = std::vector<size_t>{}, py::arg("timeout_seconds") = 60.0);
   m.def("_stats", [] {
     auto& stats = pycomm::Stats::instance();
     py::dict ops;

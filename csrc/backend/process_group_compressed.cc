@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "backend/process_group.h"
 
@@ -47,14 +49,33 @@ CallSignature compressedSignature(const char* op, int64_t count, int32_t detail)
 
 float* dataOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
+std::vector<size_t> checkSegments(const char* op, const std::vector<int64_t>& segments, int64_t count) {
+  std::vector<size_t> lengths;
+  int64_t total = 0;
+  for (int64_t s : segments) {
+    if (s < 0) compressedUsage(std::string("pycomm ") + op + ": segment lengths must be >= 0");
+    total += s;
+    lengths.push_back(static_cast<size_t>(s));
+  }
+  if (!segments.empty() && total != count)
+    compressedUsage(std::string("pycomm ") + op + ": segments sum to " + std::to_string(total) +
+                    " elements but the tensor has " + std::to_string(count));
+  return lengths;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
-    at::Tensor tensor, at::Tensor residual, int bits, int64_t block, bool stochastic, int64_t seed,
-    bool asyncOp) {
+    at::Tensor tensor, at::Tensor residual, std::vector<int64_t> segments, std::vector<int64_t> keys,
+    int bits, int64_t block, bool stochastic, int64_t seed, bool asyncOp) {
   const char* op = "allreduce_quantized";
   checkFloat32(op, "tensor", tensor);
   checkResidual(op, residual, tensor);
+  std::vector<size_t> lengths = checkSegments(op, segments, tensor.numel());
+  if (!keys.empty() && keys.size() != std::max<size_t>(segments.size(), 1))
+    compressedUsage(std::string("pycomm ") + op + ": " + std::to_string(keys.size()) +
+                    " keys for " + std::to_string(segments.size()) + " segments");
+  std::vector<uint64_t> segmentKeys(keys.begin(), keys.end());
   if (block < 1)
     compressedUsage(std::string("pycomm ") + op + ": block must be >= 1 (got " + std::to_string(block) + ")");
   if (seed < 0) compressedUsage(std::string("pycomm ") + op + ": seed must be >= 0");
@@ -69,10 +90,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
     compressedUsage(e.what());
   }
   return enqueue(op, c10d::OpType::ALLREDUCE, {tensor},
-                 [tensor, residual, opts](Comm& c) {
+                 [tensor, residual, lengths, segmentKeys, opts](Comm& c) {
                    c.setAlgorithm(strCat(opts.bits, "-bit"));
                    allreduceQuantized(c, tensor.data_ptr<float>(), static_cast<size_t>(tensor.numel()),
-                                      opts, dataOrNull(residual));
+                                      lengths, segmentKeys, opts, dataOrNull(residual));
                  },
                  c10d::kUnsetTimeout, asyncOp,
                  compressedSignature(op, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)));
@@ -80,7 +101,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
     at::Tensor indices, at::Tensor values, at::Tensor out, at::Tensor residual,
-    const std::string& valueType, double keepDensity, bool asyncOp) {
+    std::vector<int64_t> segments, const std::string& valueType, double keepDensity, bool asyncOp) {
   const char* op = "allreduce_sparse";
   const std::string where = std::string("pycomm ") + op + ": ";
   checkFloat32(op, "values", values);
@@ -102,6 +123,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
   if (!(keepDensity >= 0.0 && keepDensity <= 1.0))
     compressedUsage(where + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
   opts.keepDensity = keepDensity;
+  std::vector<size_t> lengths = checkSegments(op, segments, out.numel());
   try {
     checkSparseInput(op, indices.data_ptr<int64_t>(), static_cast<size_t>(indices.numel()),
                      static_cast<size_t>(out.numel()));
@@ -109,11 +131,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
     compressedUsage(e.what());
   }
   return enqueue(op, c10d::OpType::ALLREDUCE, {out},
-                 [indices, values, out, residual, opts](Comm& c) {
+                 [indices, values, out, residual, lengths, opts](Comm& c) {
                    c.setAlgorithm("sparse");
                    allreduceSparse(c, indices.data_ptr<int64_t>(), values.data_ptr<float>(),
                                    static_cast<size_t>(indices.numel()),
-                                   static_cast<size_t>(out.numel()), out.data_ptr<float>(),
+                                   static_cast<size_t>(out.numel()), lengths, out.data_ptr<float>(),
                                    dataOrNull(residual), opts);
                  },
                  c10d::kUnsetTimeout, asyncOp,
