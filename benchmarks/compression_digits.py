@@ -188,7 +188,7 @@ def _launch(world, args, tmp, netns=None, addr="127.0.0.1", port=None, timeout=9
     procs = []
     for rank in range(world):
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--world", str(world),
-                "--init", f"tcp://{addr}:{port}", "--result", result, "--configs", ",".join(CONFIGS),
+                "--init", f"tcp://{addr}:{port}", "--result", result, "--configs", args.configs,
                 "--epochs", str(args.epochs), "--lr", str(args.lr), "--global-batch", str(args.global_batch),
                 "--seed", str(args.seed)]
         if netns:

@@ -255,6 +255,7 @@ class _CompressionState:
         self.step = 0  # synchronised iterations completed (no_sync() iterations are not counted)
         self._residuals: Dict[int, torch.Tensor] = {}
         self._ordinals: Dict[int, Tuple[weakref.ref, int]] = {}
+        self._flat: Dict[tuple, torch.Tensor] = {}  # per bucket layout: its residuals, one tensor
         self._generator = torch.Generator()
 
     # -- parameters ------------------------------------------------------------
@@ -301,7 +302,14 @@ class _CompressionState:
         of it, so what a collective writes into it is what the next step feeds back."""
         if not self.error_feedback:
             return None
+        key = tuple(segments)
+        cached = self._flat.get(key)
+        if cached is not None and all(
+                self._residuals.get(o) is not None and self._residuals[o].data_ptr() == cached[off: off + n].data_ptr()
+                for o, off, n in segments if n):
+            return cached  # the residuals are still views of the last step's tensor
         flat = torch.zeros(numel, dtype=torch.float32)
+        self._flat[key] = flat
         for ordinal, offset, n in segments:
             residual = self._residuals.get(ordinal)
             view = flat[offset: offset + n]
@@ -346,10 +354,12 @@ class _CompressionState:
         self.seed = int(state.get("seed", self.seed))
         self._residuals = {int(o): r.detach().to(torch.float32).clone()
                            for o, r in state.get("residuals", {}).items()}
+        self._flat.clear()
 
     def reset_residuals(self) -> None:
         """Forget the error-feedback residuals (e.g. after changing the model)."""
         self._residuals.clear()
+        self._flat.clear()
 
 
 def _check_state(op: str, state, cls) -> None:
@@ -575,7 +585,10 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
 def _averaged_into(buffer: torch.Tensor, world: int):
     def finish(fut):
         total = _future_tensor(fut)  # re-raises a failed collective
-        buffer.copy_(total.div_(world))
+        if total.dtype == buffer.dtype:
+            torch.div(total, world, out=buffer)
+        else:
+            buffer.copy_(total.div_(world))
         return buffer
     return finish
 
@@ -617,7 +630,8 @@ def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world:
     kernels quantize, owners sum in float32 and requantize; both phases' errors land in the
     residual. Seeds are mixed from (seed, step, parameter ordinal, rank, chunk), so a
     parameter's result does not depend on the bucket layout."""
-    data = buffer.to(torch.float32, copy=True)
+    # float32 buckets are reduced in place (DDP's bucket is overwritten with the result anyway)
+    data = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     residual = state._flat_residual(segments, buffer.numel())
     stochastic = state.stochastic and state.bits != 1
     seed = _mix_seed(state.seed, step)  # the collective mixes in the parameter, rank and chunk

@@ -34,7 +34,7 @@
 #include "algorithms/collectives.h"
 #include "algorithms/ownership.h"
 #include "kernels/cpu/half.h"
-#include "kernels/cpu/topk.h"
+#include "kernels/cpu/topk.h"  // topkCount
 
 namespace pycomm {
 namespace {
@@ -164,6 +164,17 @@ void accumulate(Comm& comm, int from, const SparseHeader& h, const uint8_t* payl
   if (p != end) bad("index bytes");
 }
 
+struct Candidate {
+  uint32_t key;       // |value| as bits: ordered like the magnitude
+  uint32_t position;  // in the piece
+};
+
+uint32_t magnitudeKey(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return bits & 0x7fffffffu;
+}
+
 void checkValueType(DataType type) {
   PYCOMM_CHECK_USAGE(type == DataType::kFloat32 || type == DataType::kFloat16 ||
                    type == DataType::kBFloat16,
@@ -262,24 +273,28 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   // ---- phase 2: the owner's selection of each reduced piece to every rank
   std::vector<uint32_t> rel;
   std::vector<float> kept;
+  std::vector<Candidate> candidates;
   for (const Piece& p : own.pieces[r]) {
     const float* s = sum + p.local;
-    if (opts.keepDensity > 0.0) {
-      const size_t k = topkCount("allreduce_sparse", p.length, opts.keepDensity);
-      std::vector<int64_t> idx(k);
-      std::vector<float> val(k);
-      topkExact(s, p.length, k, idx.data(), val.data());
-      for (size_t j = 0; j < k; ++j)
-        if (val[j] != 0.0f) {
-          rel.push_back(static_cast<uint32_t>(p.local + idx[j]));
-          kept.push_back(val[j]);
-        }
-    } else {
-      for (size_t i = 0; i < p.length; ++i)
-        if (s[i] != 0.0f) {
-          rel.push_back(static_cast<uint32_t>(p.local + i));
-          kept.push_back(s[i]);
-        }
+    // The nonzero entries (at most n times the pairs sent, or the whole piece when dense).
+    candidates.clear();
+    for (size_t i = 0; i < p.length; ++i)
+      if (s[i] != 0.0f) candidates.push_back({magnitudeKey(s[i]), static_cast<uint32_t>(i)});
+    const size_t k = opts.keepDensity > 0.0 ? topkCount("allreduce_sparse", p.length, opts.keepDensity)
+                                            : candidates.size();
+    if (candidates.size() > k) {
+      // the k largest |sum| (bit-pattern order, NaN above inf), ties to the lower index
+      auto larger = [](const Candidate& a, const Candidate& b) {
+        return a.key != b.key ? a.key > b.key : a.position < b.position;
+      };
+      std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), larger);
+      candidates.resize(k);
+      std::sort(candidates.begin(), candidates.end(),
+                [](const Candidate& a, const Candidate& b) { return a.position < b.position; });
+    }
+    for (const Candidate& c : candidates) {
+      rel.push_back(static_cast<uint32_t>(p.local + c.position));
+      kept.push_back(s[c.position]);
     }
   }
   Message reduced = encode(rel, kept.data(), mine, opts.valueType);
