@@ -71,6 +71,9 @@ _ALGORITHMS = ("auto", "ring", "tree", "sharded")
 # "auto": pycomm's compressed collectives on pycomm groups, all_gather elsewhere;
 # "allgather": the all_gather exchange everywhere (the reference path).
 _EXCHANGES = ("auto", "allgather")
+# Parameters smaller than this use the exact top-k kernel even when exact=False: the fused
+# sampled-threshold kernel only wins from about 2^20 elements (measured on this machine).
+_APPROX_MIN_NUMEL = 1 << 20
 _VALUE_DTYPES = {None: None, "float32": torch.float32, "float16": torch.float16,
                  "bfloat16": torch.bfloat16}
 _STATE_VERSION = 1
@@ -385,29 +388,36 @@ class TopKState(_CompressionState):
     elsewhere) or ``"allgather"`` (all_gather everywhere).
     ``value_dtype``: values on the wire of the sparse all-reduce, ``"float32"``,
     ``"float16"`` or ``"bfloat16"``; None: the bucket's dtype (float32 unless a 16-bit
-    wrapper cast it). Wire rounding goes into the residual."""
+    wrapper cast it). Wire rounding goes into the residual.
+    ``owner_density``: on the sparse all-reduce, each chunk owner sends back the top
+    ``owner_density`` of its reduced chunk (None: ``density``; 0: every nonzero entry,
+    the exact sum of all ranks' selections); what it drops goes into its residual."""
 
     _kind = "topk"
     _op = "topk_hook"
 
     def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
                  warmup_steps: int = 0, exact: bool = False, *, seed: int = 0,
-                 exchange: str = "auto", value_dtype: Optional[str] = None):
+                 exchange: str = "auto", value_dtype: Optional[str] = None,
+                 owner_density: Optional[float] = None):
         density = float(density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"pycomm topk_hook: density must be in (0, 1] (got {density!r})")
         if value_dtype not in _VALUE_DTYPES:
             raise ValueError(f"pycomm topk_hook: value_dtype must be None, 'float32', 'float16' or "
                              f"'bfloat16' (got {value_dtype!r})")
+        if owner_density is not None and not 0.0 <= float(owner_density) <= 1.0:
+            raise ValueError(f"pycomm topk_hook: owner_density must be in [0, 1] (got {owner_density!r})")
         super().__init__(process_group, error_feedback, warmup_steps, seed, exchange)
         self.density = density
         self.exact = bool(exact)
         self.value_dtype = value_dtype
+        self.owner_density = density if owner_density is None else float(owner_density)
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
                 "warmup_steps": self.warmup_steps, "exchange": self.exchange,
-                "value_dtype": self.value_dtype}
+                "value_dtype": self.value_dtype, "owner_density": self.owner_density}
 
 
 # The name pycomm.train's hook discovery derives from "topk_hook".
@@ -610,7 +620,8 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
         g = grads[offset: offset + n]
         e = residual[offset: offset + n] if residual is not None else scratch[:n].zero_()
         seed = _mix_seed(state.seed, rank, step, ordinal)
-        indices, values = kernels.topk_ef(g, e, state.density, state.exact, seed)
+        exact = state.exact or n < _APPROX_MIN_NUMEL  # below it the exact radix select is as fast
+        indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
         index_parts.append(indices + offset)
         value_parts.append(values)
     indices = torch.cat(index_parts)
@@ -619,7 +630,7 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     if value_dtype is None:
         value_dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(buffer.dtype, "float32")
     out = torch.empty(numel, dtype=torch.float32)
-    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.density,
+    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density,
                                     [n for _, _, n in segments])
     return work.get_future().then(_averaged_into(buffer, world))
 
