@@ -25,14 +25,18 @@ iteration: bucket 0 first, within a bucket in ``bucket.parameters()`` order), wh
 same in every fresh DDP over the same model; checkpoints store residuals under these
 ordinals. One state object serves one model.
 
-Exchange. Top-k: every rank all-gathers ``(int32 indices, values)``, scatter-adds all
-ranks' entries and divides by the world size; when the all-gather would move at least
-as many bytes as a ring all-reduce (``world * k * (4 + value_bytes) >= 2 * numel *
-element_bytes``) the sparsified bucket goes through a dense all-reduce instead (same
-result up to summation order). Quantize: every rank all-gathers its packed codes and
-float32 scales, dequantizes every rank's and averages. Both use ``all_gather`` only, so
-they run on gloo as well as pycomm; :func:`_compressed_collective` is the one place
-where pycomm's C++ compressed collectives (not written yet) will take over.
+Exchange. On a pycomm group (``exchange="auto"``, the default) the hooks encode with the
+C++ kernels (``pycomm._C.kernels``) and exchange through pycomm's compressed collectives
+(csrc/algorithms/allreduce_sparse.cc, allreduce_quantized.cc): rank c owns chunk c of every
+parameter, receives every rank's compressed contribution to it, sums them in float32 in rank
+order, re-selects (top-k) or requantizes the sum, feeding its own error back through its
+residual, and sends the result to every rank; a rank sends about 2 (world - 1) / world of
+the compressed size. Elsewhere, or with ``exchange="allgather"``: top-k all-gathers every
+rank's ``(int32 indices, values)``, scatter-adds all ranks' entries and divides by the world
+size (a dense all-reduce of the sparsified bucket when that moves fewer bytes: ``world * k *
+(4 + value_bytes) >= 2 * numel * element_bytes``); quantize all-gathers every rank's packed
+codes and float32 scales, dequantizes every rank's and averages. :func:`_compressed_collective`
+is the one place that chooses.
 
 Hooks are annotated ``-> torch.futures.Future[torch.Tensor]`` (DDP checks the annotation),
 so this module does not use ``from __future__ import annotations``.

@@ -265,3 +265,82 @@ def test_sparse_usage_errors():
         sparse([torch.tensor([1])], [torch.ones(1)], 10, value_dtype="int8")
     with pytest.raises(ValueError, match="keep density"):
         sparse([torch.tensor([1])], [torch.ones(1)], 10, keep=1.5)
+
+
+# ---------------------------------------------------------------------------
+# through ProcessGroupPycomm (multi-process, TCP): same results as the loopback runs,
+# submission order with other collectives, usage errors at the call
+# ---------------------------------------------------------------------------
+
+def _pg_worker(ctx):
+    import torch.distributed as dist
+    from pycomm import hooks as H
+
+    world, rank = ctx.world_size, ctx.rank
+    pg = H._pycomm_backend(None)
+    problems = []
+    count, segments = 7001, [3000, 1, 4000]
+    xs = inputs(world, count, 42)
+    # quantized, stochastic, error feedback: equal to the loopback run on the same inputs
+    ref_res = [torch.full((count,), 0.01) for _ in range(world)]
+    ref = [x.clone() for x in xs]
+    _C._loopback_allreduce_quantized(ref, ref_res, 4, 64, True, 9, segments, 60.0)
+    mine, res = xs[rank].clone(), torch.full((count,), 0.01)
+    before = torch.ones(5) * (rank + 1)
+    w0 = dist.all_reduce(before, async_op=True)  # queued ahead: submission order
+    work = pg.allreduce_quantized(mine, res, 4, 64, True, 9, segments, [0, 1, 2])
+    after = torch.ones(3) * (rank + 1)
+    w1 = dist.all_reduce(after, async_op=True)
+    value = work.get_future().wait()
+    w0.wait()
+    w1.wait()
+    if not (torch.equal(before, torch.full((5,), world * (world + 1) / 2)) and
+            torch.equal(after, torch.full((3,), world * (world + 1) / 2))):
+        problems.append("all_reduce around the quantized all-reduce went wrong")
+    if not torch.equal(value[0], ref[rank]) or not torch.equal(mine, ref[rank]):
+        problems.append("allreduce_quantized differs from the loopback run")
+    if not torch.equal(res, ref_res[rank]):
+        problems.append("allreduce_quantized residual differs from the loopback run")
+    # sparse, bfloat16 values, owners keep 2%
+    indices, values = sparse_inputs(world, count, 150, 43)
+    ref_res = [torch.zeros(count) for _ in range(world)]
+    ref_out, _, _ = sparse(indices, values, count, ref_res, "bfloat16", 0.02, segments)
+    out, res = torch.empty(count), torch.zeros(count)
+    pg.allreduce_sparse(indices[rank], values[rank], out, res, "bfloat16", 0.02, segments).wait()
+    if not torch.equal(out, ref_out[rank]) or not torch.equal(res, ref_res[rank]):
+        problems.append("allreduce_sparse differs from the loopback run")
+    # usage errors raise at the call, naming the op; the group stays usable
+    bad = [
+        (TypeError, "float32", lambda: pg.allreduce_quantized(torch.zeros(4, dtype=torch.float64))),
+        (ValueError, "residual", lambda: pg.allreduce_quantized(torch.zeros(4), torch.zeros(3))),
+        (ValueError, "bits", lambda: pg.allreduce_quantized(torch.zeros(4), bits=2)),
+        (ValueError, "segments", lambda: pg.allreduce_quantized(torch.zeros(4), segments=[1, 2])),
+        (ValueError, "ascending", lambda: pg.allreduce_sparse(torch.tensor([2, 1]), torch.ones(2), torch.zeros(4))),
+        (ValueError, "outside", lambda: pg.allreduce_sparse(torch.tensor([4]), torch.ones(1), torch.zeros(4))),
+        (ValueError, "value_dtype", lambda: pg.allreduce_sparse(torch.tensor([1]), torch.ones(1), torch.zeros(4),
+                                                                 value_dtype="float64")),
+        (ValueError, "differ in length", lambda: pg.allreduce_sparse(torch.tensor([1]), torch.ones(2),
+                                                                      torch.zeros(4))),
+    ]
+    for exc, text, call in bad:
+        try:
+            call()
+            problems.append(f"accepted: {text}")
+        except exc as e:
+            if text not in str(e) or "pycomm allreduce_" not in str(e):
+                problems.append(f"unclear message for {text}: {e}")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((2,), float(world))):
+        problems.append("the group is not usable after usage errors")
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_process_group_methods(world):
+    from mp_util import spawn_run
+
+    rets = spawn_run(_pg_worker, world, backend="pycomm", make_ref=False, timeout_s=90,
+                     pg_timeout_s=30).check().returns
+    problems = [f"rank {r}: {p}" for r, ps in sorted(rets.items()) for p in ps]
+    assert not problems, "\n".join(problems)
