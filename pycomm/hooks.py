@@ -263,6 +263,7 @@ class _CompressionState:
         self._residuals: Dict[int, torch.Tensor] = {}
         self._ordinals: Dict[int, Tuple[weakref.ref, int]] = {}
         self._flat: Dict[tuple, torch.Tensor] = {}  # per bucket layout: its residuals, one tensor
+        self._momenta: Dict[int, torch.Tensor] = {}  # DGC velocities (TopKState(momentum > 0))
         self._generator = torch.Generator()
 
     # -- parameters ------------------------------------------------------------
@@ -286,9 +287,12 @@ class _CompressionState:
                              f"but its parameters have {offset} (sparse gradients are not supported)")
         return segments
 
-    def _input(self, buffer: torch.Tensor, ordinal: int, offset: int, numel: int) -> torch.Tensor:
-        """This parameter's gradient (float32 copy) plus its error-feedback residual."""
-        x = buffer[offset: offset + numel].to(torch.float32, copy=True)
+    def _input(self, buffer: torch.Tensor, ordinal: int, offset: int, numel: int,
+               grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This parameter's gradient (float32 copy; ``grad`` instead when given) plus its
+        error-feedback residual."""
+        source = buffer[offset: offset + numel] if grad is None else grad
+        x = source.to(torch.float32, copy=True)
         if self.error_feedback:
             residual = self._residuals.get(ordinal)
             if residual is not None:
@@ -353,6 +357,7 @@ class _CompressionState:
             "seed": self.seed,
             "config": self._config(),
             "residuals": {ordinal: r.detach().clone() for ordinal, r in sorted(self._residuals.items())},
+            "momenta": {ordinal: u.detach().clone() for ordinal, u in sorted(self._momenta.items())},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -361,12 +366,26 @@ class _CompressionState:
         self.seed = int(state.get("seed", self.seed))
         self._residuals = {int(o): r.detach().to(torch.float32).clone()
                            for o, r in state.get("residuals", {}).items()}
+        self._momenta = {int(o): u.detach().to(torch.float32).clone()
+                         for o, u in state.get("momenta", {}).items()}
         self._flat.clear()
 
     def reset_residuals(self) -> None:
-        """Forget the error-feedback residuals (e.g. after changing the model)."""
+        """Forget the error-feedback residuals and momenta (e.g. after changing the model)."""
         self._residuals.clear()
+        self._momenta.clear()
         self._flat.clear()
+
+    def _velocity(self, ordinal: int, grad: torch.Tensor, momentum: float) -> torch.Tensor:
+        """DGC momentum correction: u <- momentum * u + grad, kept per parameter (float32)."""
+        u = self._momenta.get(ordinal)
+        if u is None:
+            u = self._momenta[ordinal] = grad.to(torch.float32, copy=True)
+            return u
+        if u.numel() != grad.numel():
+            raise ValueError(f"pycomm {self._op}: the momentum of parameter #{ordinal} has {u.numel()} "
+                             f"elements but the parameter has {grad.numel()} (state loaded from another model?)")
+        return u.mul_(momentum).add_(grad)
 
 
 def _check_state(op: str, state, cls) -> None:
@@ -395,7 +414,11 @@ class TopKState(_CompressionState):
     wrapper cast it). Wire rounding goes into the residual.
     ``owner_density``: on the sparse all-reduce, each chunk owner sends back the top
     ``owner_density`` of its reduced chunk (None: ``density``; 0: every nonzero entry,
-    the exact sum of all ranks' selections); what it drops goes into its residual."""
+    the exact sum of all ranks' selections); what it drops goes into its residual.
+    ``momentum``: DGC's momentum correction (Lin et al. 2018): the hook keeps a velocity
+    ``u <- momentum * u + g`` per parameter and selects from ``u + residual``; the selected
+    entries of ``u`` are zeroed (momentum factor masking). Use it with an optimizer without
+    momentum (plain SGD): the hook applies it. 0 (default): off."""
 
     _kind = "topk"
     _op = "topk_hook"
@@ -403,8 +426,10 @@ class TopKState(_CompressionState):
     def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
                  warmup_steps: int = 0, exact: bool = False, *, seed: int = 0,
                  exchange: str = "auto", value_dtype: Optional[str] = None,
-                 owner_density: Optional[float] = None):
+                 owner_density: Optional[float] = None, momentum: float = 0.0):
         density = float(density)
+        if not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"pycomm topk_hook: momentum must be in [0, 1) (got {momentum!r})")
         if not 0.0 < density <= 1.0:
             raise ValueError(f"pycomm topk_hook: density must be in (0, 1] (got {density!r})")
         if value_dtype not in _VALUE_DTYPES:
@@ -417,11 +442,13 @@ class TopKState(_CompressionState):
         self.exact = bool(exact)
         self.value_dtype = value_dtype
         self.owner_density = density if owner_density is None else float(owner_density)
+        self.momentum = float(momentum)
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
                 "warmup_steps": self.warmup_steps, "exchange": self.exchange,
-                "value_dtype": self.value_dtype, "owner_density": self.owner_density}
+                "value_dtype": self.value_dtype, "owner_density": self.owner_density,
+                "momentum": self.momentum}
 
 
 # The name pycomm.train's hook discovery derives from "topk_hook".
@@ -470,9 +497,14 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
         return fast(state, buffer, world, step, segments)
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
-        x = state._input(buffer, ordinal, offset, numel)
+        u = None
+        if state.momentum:
+            u = state._velocity(ordinal, buffer[offset: offset + numel].to(torch.float32), state.momentum)
+        x = state._input(buffer, ordinal, offset, numel, u)
         k = topk_count(numel, state.density)
         indices, values = _select(state, x, k, ordinal, step)
+        if u is not None:
+            u[indices] = 0.0  # momentum factor masking
         sent = values.to(buffer.dtype)
         if state.error_feedback:
             x[indices] -= sent.to(torch.float32)  # x becomes what was not sent (indices are unique)
@@ -622,10 +654,14 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     index_parts, value_parts = [], []
     for ordinal, offset, n in segments:
         g = grads[offset: offset + n]
+        if state.momentum:
+            g = state._velocity(ordinal, g, state.momentum)
         e = residual[offset: offset + n] if residual is not None else scratch[:n].zero_()
         seed = _mix_seed(state.seed, rank, step, ordinal)
         exact = state.exact or n < _APPROX_MIN_NUMEL  # below it the exact radix select is as fast
         indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
+        if state.momentum:
+            g[indices] = 0.0  # momentum factor masking
         index_parts.append(indices + offset)
         value_parts.append(values)
     indices = torch.cat(index_parts)

@@ -18,7 +18,9 @@ world size (spawning ranks that import torch costs seconds):
   collectives (pycomm's default) and the all_gather exchange;
 * no_sync() gradient accumulation with each hook;
 * checkpoint mid-training (hook state + model + optimizer), a new model/DDP/state
-  loaded from it: the following losses equal an uninterrupted run's exactly.
+  loaded from it: the following losses equal an uninterrupted run's exactly;
+* DGC momentum correction (TopKState(momentum=0.9), plain SGD) ends well below top-k with
+  the optimizer's momentum, on both exchanges, and its momenta survive a checkpoint.
 """
 from __future__ import annotations
 
@@ -567,6 +569,75 @@ def _checkpoint_checks(ctx):
     return problems
 
 
+def _momentum_checks(ctx):
+    """DGC momentum correction (TopKState(momentum=0.9) with plain SGD) against top-k with the
+    optimizer's momentum, on both exchanges; and a checkpoint round trip of the momenta."""
+    from pycomm import hooks as H
+
+    problems, out, lr = [], {}, 0.01
+    runs = {
+        "topk_sgd_momentum": (lambda: H.TopKState(density=0.01), 0.9),
+        "topk_dgc": (lambda: H.TopKState(density=0.01, momentum=0.9), 0.0),
+        "topk_dgc_allgather": (lambda: H.TopKState(density=0.01, momentum=0.9, exchange="allgather"), 0.0),
+    }
+    for name, (factory, momentum) in runs.items():
+        model = _student()
+        ddp = _wrap(model, factory(), H.topk_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        losses = []
+        for step in range(TRAIN_STEPS):
+            ctx.progress(f"momentum {name} step {step}")
+            x, y = _batch(ctx.rank, step)
+            loss = F.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = (losses, _flat(model))
+    plain = _tail(out["topk_sgd_momentum"][0])
+    for name in ("topk_dgc", "topk_dgc_allgather"):
+        losses = out[name][0]
+        if not _tail(losses) < 0.5 * sum(losses[:10]) / 10:
+            problems.append(f"{name}: loss went from {sum(losses[:10]) / 10:.4f} to only {_tail(losses):.4f}")
+        if not _tail(losses) < 0.75 * plain:
+            problems.append(f"{name}: final loss {_tail(losses):.4f} not below 0.75 x top-k with SGD "
+                            f"momentum ({plain:.4f})")
+    # checkpoint: momenta travel in state_dict; a resumed run repeats the uninterrupted one
+    def train(state, model, start, steps):
+        ddp = _wrap(model, state, H.topk_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        losses = []
+        for step in range(start, start + steps):
+            x, y = _batch(ctx.rank, step)
+            loss = F.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    full = train(H.TopKState(density=0.01, momentum=0.9), _student(), 0, 12)
+    model, state = _student(), H.TopKState(density=0.01, momentum=0.9)
+    first = train(state, model, 0, 5)
+    blob = io.BytesIO()
+    torch.save({"hook": state.state_dict(), "model": model.state_dict()}, blob)
+    blob.seek(0)
+    ckpt = torch.load(blob, weights_only=True)
+    if len(ckpt["hook"]["momenta"]) != len(list(model.parameters())):
+        problems.append("topk_dgc: the checkpoint does not hold a momentum per parameter")
+    model2, state2 = _student(seed=7), H.TopKState(density=0.01, momentum=0.9)
+    model2.load_state_dict(ckpt["model"])
+    state2.load_state_dict(ckpt["hook"])
+    if first + train(state2, model2, 5, 7) != full:
+        problems.append("topk_dgc: resumed losses differ from the uninterrupted run")
+    try:
+        H.TopKState(momentum=1.0)
+        problems.append("TopKState accepted momentum=1.0")
+    except ValueError:
+        pass
+    return problems, out
+
+
 def _training_checks(ctx, names):
     out = {}
     for name in names:
@@ -590,6 +661,7 @@ def _worker(ctx, train_names):
     out["bytes"] = _bytes_checks(ctx) if dist.get_backend() == "pycomm" else None
     out["no_sync"] = _no_sync_checks(ctx)
     out["checkpoint"] = _checkpoint_checks(ctx)
+    out["momentum"] = _momentum_checks(ctx)
     return out
 
 
@@ -604,7 +676,11 @@ def _check_run(rets, world, train_names, backend):
         problems += [f"rank {r}: {p}" for p in rets[r]["exchange"][0]]
         problems += [f"rank {r}: no_sync {p}" for p in rets[r]["no_sync"][0]]
         problems += [f"rank {r}: checkpoint {p}" for p in rets[r]["checkpoint"]]
+        problems += [f"rank {r}: momentum {p}" for p in rets[r]["momentum"][0]]
     for r in range(1, world):
+        for name, (_, params) in r0["momentum"][1].items():
+            if not torch.equal(params, rets[r]["momentum"][1][name][1]):
+                problems.append(f"momentum {name}: parameters differ between rank 0 and rank {r}")
         for name, t in r0["exchange"][1].items():
             if not torch.equal(t, rets[r]["exchange"][1][name]):
                 problems.append(f"exchange {name}: result differs between rank 0 and rank {r}")
@@ -635,7 +711,8 @@ def _check_run(rets, world, train_names, backend):
     if summary["topk1%"] > TOPK_LOSS_FACTOR * dense:
         problems.append(f"topk1% final loss {summary['topk1%']:.4f} > {TOPK_LOSS_FACTOR} x dense {dense:.4f}")
     print(f"\n[{backend}, {world} ranks] final loss (mean of last 10 steps): "
-          + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
+          + ", ".join(f"{k} {v:.4f}" for k, v in summary.items())
+          + "; lr 0.01: " + ", ".join(f"{k} {_tail(v[0]):.4f}" for k, v in r0["momentum"][1].items()))
     if r0["bytes"] is not None:
         problems += _check_bytes(rets, world)
     return problems
