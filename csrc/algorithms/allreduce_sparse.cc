@@ -200,6 +200,8 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   PYCOMM_CHECK_USAGE(opts.keepDensity >= 0.0 && opts.keepDensity <= 1.0,
                "pycomm allreduce_sparse: keep density must be in [0, 1] (got ", opts.keepDensity, ")");
   checkSparseInput("allreduce_sparse", indices, nnz, count);
+  PYCOMM_CHECK_USAGE(count <= 0xffffffffull, "pycomm allreduce_sparse: at most 2^32 - 1 elements (got ",
+                     count, "); positions travel as 32-bit values");
   const int n = comm.size();
   const int r = comm.rank();
   const Ownership own = segmentOwnership(segments, count, n, 1);
