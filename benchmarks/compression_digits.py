@@ -218,6 +218,23 @@ def _launch(world, args, tmp, netns=None, addr="127.0.0.1", port=None, timeout=9
         return json.load(handle)
 
 
+def _repeated(args, launch):
+    """`--repeat` runs of every config (fresh processes each, so another program's burst of
+    CPU hits one run of a config, not all); step times are the median over the runs of each
+    run's median, every run's figure kept. Accuracy and bytes are deterministic: checked."""
+    runs = [launch() for _ in range(args.repeat)]
+    rows = runs[0]
+    for i, row in enumerate(rows):
+        same = [run[i] for run in runs]
+        for key in ("test_accuracy", "bytes_per_step"):
+            if any(r[key] != row[key] for r in same):
+                raise RuntimeError(f"{row['config']}: {key} differs between repeated runs")
+        medians = sorted(r["median_step_s"] for r in same)
+        row["median_step_s_runs"] = [r["median_step_s"] for r in same]
+        row["median_step_s"] = medians[len(medians) // 2]
+    return rows
+
+
 def _annotate(rows):
     dense = next(r for r in rows if r["config"] == "dense")
     for r in rows:
@@ -271,6 +288,11 @@ def _plot(settings, path, title):
     plt.close(fig)
 
 
+def _runs(row):
+    runs = row.get("median_step_s_runs", [])
+    return f" ({', '.join(f'{t * 1e3:.2f}' for t in runs)})" if len(runs) > 1 else ""
+
+
 def _table(settings):
     lines = ["| setting | config | test acc | Δ acc vs dense (pts) | bytes/step (rank 0) | bytes ÷ dense | "
              "median step (ms) | step speed-up vs dense |",
@@ -279,7 +301,8 @@ def _table(settings):
         for r in s["rows"]:
             lines.append(f"| {s['label']} | {r['config']} | {r['test_accuracy'] * 100:.2f}% | "
                          f"{r['acc_delta_points']:+.2f} | {r['bytes_per_step']:,.0f} | "
-                         f"{r['bytes_reduction']:.1f}x | {r['median_step_s'] * 1e3:.2f} | {r['step_speedup']:.2f}x |")
+                         f"{r['bytes_reduction']:.1f}x | {r['median_step_s'] * 1e3:.2f}{_runs(r)} | "
+                         f"{r['step_speedup']:.2f}x |")
     return lines
 
 
@@ -317,6 +340,8 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-rates", default="100mbit,1gbit", help="tc tbf rates ('' to skip the namespaces)")
     parser.add_argument("--slow-worlds", default="2,4")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "compression_digits"))
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per setting; step time = median over runs of each run's median")
     # worker mode
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -337,7 +362,7 @@ def main(argv=None) -> int:
         for world in [int(w) for w in args.worlds.split(",") if w]:
             label = f"loopback, {world} ranks"
             print(f"== {label}", flush=True)
-            rows = _annotate(_launch(world, args, tmp))
+            rows = _annotate(_repeated(args, lambda: _launch(world, args, tmp)))
             settings.append({"label": label, "network": "loopback", "world_size": world, "rows": rows})
         rates = [r for r in args.slow_rates.split(",") if r]
         if rates:
@@ -355,8 +380,8 @@ def main(argv=None) -> int:
                     hosts = NetnsHosts(world, rate=rate)
                     try:
                         hosts.create()
-                        rows = _annotate(_launch(world, args, tmp, netns=hosts.names, addr=hosts.addrs[0],
-                                                 port=29517))
+                        rows = _annotate(_repeated(args, lambda: _launch(
+                            world, args, tmp, netns=hosts.names, addr=hosts.addrs[0], port=29517)))
                     finally:
                         hosts.close()
                         left = hosts.leftovers()
@@ -368,7 +393,7 @@ def main(argv=None) -> int:
     import torch
 
     meta = {
-        "command": command, "task": "digits (pycomm.train digits-mlp split: 1500 train / 297 test)",
+        "command": command, "repeat": args.repeat, "task": "digits (pycomm.train digits-mlp split: 1500 train / 297 test)",
         "model": "MLP 64-512-512-10 (301,066 parameters, float32)", "epochs": args.epochs, "lr": args.lr,
         "optimizer": "SGD, no momentum, constant lr", "global_batch": args.global_batch, "seed": args.seed,
         "backend": "pycomm", "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -393,7 +418,8 @@ def main(argv=None) -> int:
         f"need DGC momentum correction), seed {args.seed}, identical for every run; 1 torch thread per rank, "
         f"{meta['machine']}, torch {meta['torch']}. Bytes = pycomm.stats()['bytes_sent'] of rank 0 over the "
         f"training steps / steps. Step time = median over steps (first 5 skipped) of rank 0's "
-        f"zero_grad+forward+backward(+exchange)+step. Slow link: each rank in its own network namespace, "
+        f"zero_grad+forward+backward(+exchange)+step"
+        f"{f', then the median over {args.repeat} runs of each setting (every run in the json)' if args.repeat > 1 else ''}. Slow link: each rank in its own network namespace, "
         f"veth to a private bridge, `tc tbf rate R burst 256kb latency 50ms` on each host's egress "
         f"(tests/netns_util.py); no added delay (netem unavailable). 4 ranks oversubscribe 2 cores.",
         "",

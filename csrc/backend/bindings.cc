@@ -167,6 +167,9 @@ void loopbackAllreduceQuantized(std::vector<at::Tensor> tensors,
   if (residuals) {
     checkLoopbackFloats(*residuals, "residuals");
     if (static_cast<int>(residuals->size()) != n) throw py::value_error("one residual per rank");
+    for (int r = 0; r < n; ++r)
+      if ((*residuals)[r].numel() != tensors[r].numel())
+        throw py::value_error("residual " + std::to_string(r) + " differs in size from its tensor");
   }
   QuantizeOptions opts;
   opts.bits = bits;
@@ -192,7 +195,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<size_t>, std::vector<size_t>> lo
     if (indices[r].scalar_type() != at::kLong || !indices[r].is_contiguous() ||
         indices[r].numel() != values[r].numel())
       throw py::value_error("indices must be contiguous int64 tensors as long as the values");
-  if (residuals) checkLoopbackFloats(*residuals, "residuals");
+  if (residuals) {
+    checkLoopbackFloats(*residuals, "residuals");
+    if (static_cast<int>(residuals->size()) != n) throw py::value_error("one residual per rank");
+    for (const auto& e : *residuals)
+      if (e.numel() != count) throw py::value_error("residuals must have `count` elements");
+  }
   SparseAllreduceOptions opts;
   opts.valueType = valueType == "float16"    ? DataType::kFloat16
                    : valueType == "bfloat16" ? DataType::kBFloat16
