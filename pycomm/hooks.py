@@ -25,14 +25,18 @@ iteration: bucket 0 first, within a bucket in ``bucket.parameters()`` order), wh
 same in every fresh DDP over the same model; checkpoints store residuals under these
 ordinals. One state object serves one model.
 
-Exchange. Top-k: every rank all-gathers ``(int32 indices, values)``, scatter-adds all
-ranks' entries and divides by the world size; when the all-gather would move at least
-as many bytes as a ring all-reduce (``world * k * (4 + value_bytes) >= 2 * numel *
-element_bytes``) the sparsified bucket goes through a dense all-reduce instead (same
-result up to summation order). Quantize: every rank all-gathers its packed codes and
-float32 scales, dequantizes every rank's and averages. Both use ``all_gather`` only, so
-they run on gloo as well as pycomm; :func:`_compressed_collective` is the one place
-where pycomm's C++ compressed collectives (not written yet) will take over.
+Exchange. On a pycomm group (``exchange="auto"``, the default) the hooks encode with the
+C++ kernels (``pycomm._C.kernels``) and exchange through pycomm's compressed collectives
+(csrc/algorithms/allreduce_sparse.cc, allreduce_quantized.cc): rank c owns chunk c of every
+parameter, receives every rank's compressed contribution to it, sums them in float32 in rank
+order, re-selects (top-k) or requantizes the sum, feeding its own error back through its
+residual, and sends the result to every rank; a rank sends about 2 (world - 1) / world of
+the compressed size. Elsewhere, or with ``exchange="allgather"``: top-k all-gathers every
+rank's ``(int32 indices, values)``, scatter-adds all ranks' entries and divides by the world
+size (a dense all-reduce of the sparsified bucket when that moves fewer bytes: ``world * k *
+(4 + value_bytes) >= 2 * numel * element_bytes``); quantize all-gathers every rank's packed
+codes and float32 scales, dequantizes every rank's and averages. :func:`_compressed_collective`
+is the one place that chooses.
 
 Hooks are annotated ``-> torch.futures.Future[torch.Tensor]`` (DDP checks the annotation),
 so this module does not use ``from __future__ import annotations``.
@@ -68,6 +72,14 @@ __all__ = [
 ]
 
 _ALGORITHMS = ("auto", "ring", "tree", "sharded")
+# "auto": pycomm's compressed collectives on pycomm groups, all_gather elsewhere;
+# "allgather": the all_gather exchange everywhere (the reference path).
+_EXCHANGES = ("auto", "allgather")
+# Parameters smaller than this use the exact top-k kernel even when exact=False: the fused
+# sampled-threshold kernel only wins from about 2^20 elements (measured on this machine).
+_APPROX_MIN_NUMEL = 1 << 20
+_VALUE_DTYPES = {None: None, "float32": torch.float32, "float16": torch.float16,
+                 "bfloat16": torch.bfloat16}
 _STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1
 
@@ -84,27 +96,34 @@ def _group_size(group) -> int:
 
 def _is_pycomm(group) -> bool:
     """Whether ``group`` (None: the default group) runs on the pycomm backend."""
+    return _pycomm_backend(group) is not None
+
+
+def _pycomm_backend(group):
+    """The group's ProcessGroupPycomm, or None when it runs on another backend."""
     try:
         from . import _C
 
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return isinstance(pg._get_backend(torch.device("cpu")), _C.ProcessGroupPycomm)
+        backend = pg._get_backend(torch.device("cpu"))
+        return backend if isinstance(backend, _C.ProcessGroupPycomm) else None
     except Exception:  # noqa: BLE001  (no such backend on the group, or not initialised)
-        return False
+        return None
 
 
 def _compressed_collective(group, kind: str) -> Optional[Callable]:
     """THE plug-in point for pycomm's compressed collectives.
 
-    When pycomm's C++ core gains compressed collectives (a sparse all-reduce for
-    ``kind == "topk"``; a two-phase quantized reduce-scatter + all-gather with
-    requantization for ``kind == "quantize"``), return here, for a pycomm ``group``, a
-    callable ``fn(state, bucket_buffer, encoded) -> Future[Tensor]`` that averages the
-    already-encoded local contribution. Until then this returns None and the hooks use
-    the all_gather exchange, which works on every backend."""
-    if not _is_pycomm(group):
+    For a pycomm ``group``, returns ``fn(state, buffer, world, step, segments) ->
+    Future[Tensor]`` that encodes the bucket with the C++ kernels (``pycomm._C.kernels``)
+    and averages it with the C++ collective: the sparse all-reduce for ``kind ==
+    "topk"``, the two-phase quantized all-reduce for ``kind == "quantize"``. Returns
+    None for any other backend; the hooks then use the all_gather exchange."""
+    backend = _pycomm_backend(group)
+    if backend is None:
         return None
-    return None  # pycomm's compressed collectives do not exist yet (csrc/algorithms/)
+    fn = {"topk": _topk_pycomm, "quantize": _quantize_pycomm}[kind]
+    return lambda state, buffer, world, step, segments: fn(backend, state, buffer, world, step, segments)
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -228,9 +247,14 @@ class _CompressionState:
     _kind = ""
     _op = ""
 
-    def __init__(self, process_group, error_feedback: bool, warmup_steps: int, seed: int):
+    def __init__(self, process_group, error_feedback: bool, warmup_steps: int, seed: int,
+                 exchange: str = "auto"):
         if int(warmup_steps) < 0:
             raise ValueError(f"pycomm {self._op}: warmup_steps must be >= 0 (got {warmup_steps!r})")
+        if exchange not in _EXCHANGES:
+            raise ValueError(f"pycomm {self._op}: exchange must be one of {', '.join(_EXCHANGES)} "
+                             f"(got {exchange!r})")
+        self.exchange = exchange
         self.process_group = process_group
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = int(warmup_steps)
@@ -238,6 +262,8 @@ class _CompressionState:
         self.step = 0  # synchronised iterations completed (no_sync() iterations are not counted)
         self._residuals: Dict[int, torch.Tensor] = {}
         self._ordinals: Dict[int, Tuple[weakref.ref, int]] = {}
+        self._flat: Dict[tuple, torch.Tensor] = {}  # per bucket layout: its residuals, one tensor
+        self._momenta: Dict[int, torch.Tensor] = {}  # DGC velocities (TopKState(momentum > 0))
         self._generator = torch.Generator()
 
     # -- parameters ------------------------------------------------------------
@@ -261,9 +287,12 @@ class _CompressionState:
                              f"but its parameters have {offset} (sparse gradients are not supported)")
         return segments
 
-    def _input(self, buffer: torch.Tensor, ordinal: int, offset: int, numel: int) -> torch.Tensor:
-        """This parameter's gradient (float32 copy) plus its error-feedback residual."""
-        x = buffer[offset: offset + numel].to(torch.float32, copy=True)
+    def _input(self, buffer: torch.Tensor, ordinal: int, offset: int, numel: int,
+               grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This parameter's gradient (float32 copy; ``grad`` instead when given) plus its
+        error-feedback residual."""
+        source = buffer[offset: offset + numel] if grad is None else grad
+        x = source.to(torch.float32, copy=True)
         if self.error_feedback:
             residual = self._residuals.get(ordinal)
             if residual is not None:
@@ -277,6 +306,32 @@ class _CompressionState:
     def _store_residual(self, ordinal: int, residual: torch.Tensor) -> None:
         if self.error_feedback:
             self._residuals[ordinal] = residual
+
+    def _flat_residual(self, segments, numel: int) -> Optional[torch.Tensor]:
+        """The bucket's residuals as one float32 tensor (zeros where a parameter has none),
+        or None without error feedback. Every parameter's stored residual becomes a view
+        of it, so what a collective writes into it is what the next step feeds back."""
+        if not self.error_feedback:
+            return None
+        key = tuple(segments)
+        cached = self._flat.get(key)
+        if cached is not None and all(
+                self._residuals.get(o) is not None and self._residuals[o].data_ptr() == cached[off: off + n].data_ptr()
+                for o, off, n in segments if n):
+            return cached  # the residuals are still views of the last step's tensor
+        flat = torch.zeros(numel, dtype=torch.float32)
+        self._flat[key] = flat
+        for ordinal, offset, n in segments:
+            residual = self._residuals.get(ordinal)
+            view = flat[offset: offset + n]
+            if residual is not None:
+                if residual.numel() != n:
+                    raise ValueError(
+                        f"pycomm {self._op}: the residual of parameter #{ordinal} has {residual.numel()} "
+                        f"elements but the parameter has {n} (state loaded from another model?)")
+                view.copy_(residual.reshape(-1))
+            self._residuals[ordinal] = view
+        return flat
 
     def _seeded(self, ordinal: int, step: int) -> torch.Generator:
         rank = dist.get_rank(self.process_group)
@@ -302,6 +357,7 @@ class _CompressionState:
             "seed": self.seed,
             "config": self._config(),
             "residuals": {ordinal: r.detach().clone() for ordinal, r in sorted(self._residuals.items())},
+            "momenta": {ordinal: u.detach().clone() for ordinal, u in sorted(self._momenta.items())},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -310,10 +366,26 @@ class _CompressionState:
         self.seed = int(state.get("seed", self.seed))
         self._residuals = {int(o): r.detach().to(torch.float32).clone()
                            for o, r in state.get("residuals", {}).items()}
+        self._momenta = {int(o): u.detach().to(torch.float32).clone()
+                         for o, u in state.get("momenta", {}).items()}
+        self._flat.clear()
 
     def reset_residuals(self) -> None:
-        """Forget the error-feedback residuals (e.g. after changing the model)."""
+        """Forget the error-feedback residuals and momenta (e.g. after changing the model)."""
         self._residuals.clear()
+        self._momenta.clear()
+        self._flat.clear()
+
+    def _velocity(self, ordinal: int, grad: torch.Tensor, momentum: float) -> torch.Tensor:
+        """DGC momentum correction: u <- momentum * u + grad, kept per parameter (float32)."""
+        u = self._momenta.get(ordinal)
+        if u is None:
+            u = self._momenta[ordinal] = grad.to(torch.float32, copy=True)
+            return u
+        if u.numel() != grad.numel():
+            raise ValueError(f"pycomm {self._op}: the momentum of parameter #{ordinal} has {u.numel()} "
+                             f"elements but the parameter has {grad.numel()} (state loaded from another model?)")
+        return u.mul_(momentum).add_(grad)
 
 
 def _check_state(op: str, state, cls) -> None:
@@ -332,25 +404,51 @@ class TopKState(_CompressionState):
     ``density``: fraction of each parameter's entries sent per step (at least one).
     ``error_feedback``: add what was not sent to the next step's gradient.
     ``warmup_steps``: dense all-reduce for the first synchronised steps.
-    ``exact``: ``torch.topk`` selection; otherwise DGC's sampled threshold (about k
-    entries, padded with zeros to exactly k on the wire).
-    ``seed``: seeds the threshold sampling."""
+    ``exact``: exact selection; otherwise DGC's sampled threshold (about k entries;
+    padded with zeros to exactly k on the all_gather exchange).
+    ``seed``: seeds the threshold sampling.
+    ``exchange``: ``"auto"`` (pycomm's sparse all-reduce on pycomm groups, all_gather
+    elsewhere) or ``"allgather"`` (all_gather everywhere).
+    ``value_dtype``: values on the wire of the sparse all-reduce, ``"float32"``,
+    ``"float16"`` or ``"bfloat16"``; None: the bucket's dtype (float32 unless a 16-bit
+    wrapper cast it). Wire rounding goes into the residual.
+    ``owner_density``: on the sparse all-reduce, each chunk owner sends back the top
+    ``owner_density`` of its reduced chunk (None: ``density``; 0: every nonzero entry,
+    the exact sum of all ranks' selections); what it drops goes into its residual.
+    ``momentum``: DGC's momentum correction (Lin et al. 2018): the hook keeps a velocity
+    ``u <- momentum * u + g`` per parameter and selects from ``u + residual``; the selected
+    entries of ``u`` are zeroed (momentum factor masking). Use it with an optimizer without
+    momentum (plain SGD): the hook applies it. 0 (default): off."""
 
     _kind = "topk"
     _op = "topk_hook"
 
     def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
-                 warmup_steps: int = 0, exact: bool = False, *, seed: int = 0):
+                 warmup_steps: int = 0, exact: bool = False, *, seed: int = 0,
+                 exchange: str = "auto", value_dtype: Optional[str] = None,
+                 owner_density: Optional[float] = None, momentum: float = 0.0):
         density = float(density)
+        if not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"pycomm topk_hook: momentum must be in [0, 1) (got {momentum!r})")
         if not 0.0 < density <= 1.0:
             raise ValueError(f"pycomm topk_hook: density must be in (0, 1] (got {density!r})")
-        super().__init__(process_group, error_feedback, warmup_steps, seed)
+        if value_dtype not in _VALUE_DTYPES:
+            raise ValueError(f"pycomm topk_hook: value_dtype must be None, 'float32', 'float16' or "
+                             f"'bfloat16' (got {value_dtype!r})")
+        if owner_density is not None and not 0.0 <= float(owner_density) <= 1.0:
+            raise ValueError(f"pycomm topk_hook: owner_density must be in [0, 1] (got {owner_density!r})")
+        super().__init__(process_group, error_feedback, warmup_steps, seed, exchange)
         self.density = density
         self.exact = bool(exact)
+        self.value_dtype = value_dtype
+        self.owner_density = density if owner_density is None else float(owner_density)
+        self.momentum = float(momentum)
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
-                "warmup_steps": self.warmup_steps}
+                "warmup_steps": self.warmup_steps, "exchange": self.exchange,
+                "value_dtype": self.value_dtype, "owner_density": self.owner_density,
+                "momentum": self.momentum}
 
 
 # The name pycomm.train's hook discovery derives from "topk_hook".
@@ -394,11 +492,19 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket)
     if done is not None:
         return done
+    fast = _compressed_collective(group, "topk") if state.exchange == "auto" else None
+    if fast is not None:
+        return fast(state, buffer, world, step, segments)
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
-        x = state._input(buffer, ordinal, offset, numel)
+        u = None
+        if state.momentum:
+            u = state._velocity(ordinal, buffer[offset: offset + numel].to(torch.float32), state.momentum)
+        x = state._input(buffer, ordinal, offset, numel, u)
         k = topk_count(numel, state.density)
         indices, values = _select(state, x, k, ordinal, step)
+        if u is not None:
+            u[indices] = 0.0  # momentum factor masking
         sent = values.to(buffer.dtype)
         if state.error_feedback:
             x[indices] -= sent.to(torch.float32)  # x becomes what was not sent (indices are unique)
@@ -410,10 +516,6 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     values = torch.cat(value_parts)
     k_total = indices.numel()
     value_bytes = buffer.element_size()
-
-    fast = _compressed_collective(group, "topk")
-    if fast is not None:
-        return fast(state, buffer, (indices, values))
 
     if world * k_total * (4 + value_bytes) >= 2 * buffer.numel() * buffer.element_size():
         # Denser than the break-even point: a dense all-reduce of the sparsified bucket.
@@ -450,25 +552,29 @@ class QuantizeState(_CompressionState):
     stochastic rounding for 8/4 bits (1 bit is always deterministic);
     ``error_feedback``: carry the quantization error to the next step;
     ``warmup_steps``: dense all-reduce for the first synchronised steps; ``seed``: seeds
-    the stochastic rounding (per rank, step and parameter)."""
+    the stochastic rounding (per rank, step and parameter); ``exchange``: ``"auto"``
+    (pycomm's two-phase quantized all-reduce on pycomm groups, all_gather elsewhere) or
+    ``"allgather"`` (all_gather everywhere)."""
 
     _kind = "quantize"
     _op = "quantize_hook"
 
     def __init__(self, process_group=None, bits: int = 8, block: int = 256, stochastic: bool = True,
-                 error_feedback: bool = True, *, warmup_steps: int = 0, seed: int = 0):
+                 error_feedback: bool = True, *, warmup_steps: int = 0, seed: int = 0,
+                 exchange: str = "auto"):
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"pycomm quantize_hook: bits must be 8, 4 or 1 (got {bits!r})")
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"pycomm quantize_hook: block must be a positive integer (got {block!r})")
-        super().__init__(process_group, error_feedback, warmup_steps, seed)
+        super().__init__(process_group, error_feedback, warmup_steps, seed, exchange)
         self.bits = int(bits)
         self.block = int(block)
         self.stochastic = bool(stochastic)
 
     def _config(self) -> Dict[str, Any]:
         return {"bits": self.bits, "block": self.block, "stochastic": self.stochastic,
-                "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps}
+                "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps,
+                "exchange": self.exchange}
 
 
 def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -476,6 +582,9 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
     buffer, group, world, step, segments, done = _start_compressed("quantize_hook", state, QuantizeState, bucket)
     if done is not None:
         return done
+    fast = _compressed_collective(group, "quantize") if state.exchange == "auto" else None
+    if fast is not None:
+        return fast(state, buffer, world, step, segments)
     bits, block = state.bits, state.block
     stochastic = state.stochastic and bits != 1
     code_parts, scale_parts, layout = [], [], []
@@ -490,10 +599,6 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
         layout.append((offset, numel, q.codes.numel(), q.scales.numel()))
     codes = torch.cat(code_parts)
     scales = torch.cat(scale_parts)
-
-    fast = _compressed_collective(group, "quantize")
-    if fast is not None:
-        return fast(state, buffer, (codes, scales, layout))
 
     payload = torch.cat([codes, _as_bytes(scales)])
     fut, rows = _all_gather_bytes(payload, group, world)
@@ -517,6 +622,73 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
         return buffer
 
     return fut.then(decode)
+
+
+# ---------------------------------------------------------------------------
+# pycomm fast paths: C++ kernels + C++ compressed collectives
+# ---------------------------------------------------------------------------
+
+def _averaged_into(buffer: torch.Tensor, world: int):
+    def finish(fut):
+        total = _future_tensor(fut)  # re-raises a failed collective
+        if total.dtype == buffer.dtype:
+            torch.div(total, world, out=buffer)
+        else:
+            buffer.copy_(total.div_(world))
+        return buffer
+    return finish
+
+
+def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
+    """Per parameter: top-k of gradient + residual with the fused C++ kernel (residual <- what
+    was not selected); then pycomm's sparse all-reduce (allreduce_sparse.cc): rank c owns
+    chunk c of every parameter, keeps the top ``density`` of each reduced chunk and feeds
+    back what it drops."""
+    from ._C import kernels
+
+    numel = buffer.numel()
+    rank = dist.get_rank(state.process_group)
+    residual = state._flat_residual(segments, numel)
+    scratch = None if residual is not None else torch.zeros(max(n for _, _, n in segments))
+    grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+    index_parts, value_parts = [], []
+    for ordinal, offset, n in segments:
+        g = grads[offset: offset + n]
+        if state.momentum:
+            g = state._velocity(ordinal, g, state.momentum)
+        e = residual[offset: offset + n] if residual is not None else scratch[:n].zero_()
+        seed = _mix_seed(state.seed, rank, step, ordinal)
+        exact = state.exact or n < _APPROX_MIN_NUMEL  # below it the exact radix select is as fast
+        indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
+        if state.momentum:
+            g[indices] = 0.0  # momentum factor masking
+        index_parts.append(indices + offset)
+        value_parts.append(values)
+    indices = torch.cat(index_parts)
+    values = torch.cat(value_parts)
+    value_dtype = state.value_dtype
+    if value_dtype is None:
+        value_dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(buffer.dtype, "float32")
+    out = torch.empty(numel, dtype=torch.float32)
+    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density,
+                                    [n for _, _, n in segments])
+    return work.get_future().then(_averaged_into(buffer, world))
+
+
+def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):
+    """The bucket, plus its residual, through pycomm's two-phase quantized all-reduce
+    (allreduce_quantized.cc): rank c owns chunk c (whole blocks) of every parameter; the C++
+    kernels quantize, owners sum in float32 and requantize; both phases' errors land in the
+    residual. Seeds are mixed from (seed, step, parameter ordinal, rank, chunk), so a
+    parameter's result does not depend on the bucket layout."""
+    # float32 buckets are reduced in place (DDP's bucket is overwritten with the result anyway)
+    data = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+    residual = state._flat_residual(segments, buffer.numel())
+    stochastic = state.stochastic and state.bits != 1
+    seed = _mix_seed(state.seed, step)  # the collective mixes in the parameter, rank and chunk
+    work = backend.allreduce_quantized(data, residual, state.bits, state.block, stochastic, seed,
+                                       [n for _, _, n in segments], [o for o, _, _ in segments])
+    return work.get_future().then(_averaged_into(buffer, world))
 
 
 # ---------------------------------------------------------------------------

@@ -5,16 +5,22 @@ Codec tests run in this process. Hook tests group many checks into one spawned r
 world size (spawning ranks that import torch costs seconds):
 
 * the exchange: a hook called on hand-made buckets returns exactly the mean over ranks
-  of every rank's decoded compression, bit-identical on every rank, and the same
-  numbers whatever the bucket layout (DDP's bucket rebuild);
+  of every rank's decoded compression (all_gather exchange), bit-identical on every
+  rank, and the same numbers whatever the bucket layout (DDP's bucket rebuild); on
+  pycomm groups the compressed collectives (two-phase quantized, sparse all-reduce)
+  match a reference computed here (quantized) and lose nothing to error feedback
+  (result + residuals == inputs + old residuals);
 * training: every hook lowers the loss of a small regression task; the dense
   allreduce_hook gives the same parameters as DDP without a hook; 8-bit quantization
   with error feedback ends close to dense; top-k 1% with error feedback ends within a
   stated factor of dense;
-* bytes through pycomm.stats() against the dense all-reduce;
+* bytes through pycomm.stats() against the dense all-reduce, for the compressed
+  collectives (pycomm's default) and the all_gather exchange;
 * no_sync() gradient accumulation with each hook;
 * checkpoint mid-training (hook state + model + optimizer), a new model/DDP/state
-  loaded from it: the following losses equal an uninterrupted run's exactly.
+  loaded from it: the following losses equal an uninterrupted run's exactly;
+* DGC momentum correction (TopKState(momentum=0.9), plain SGD) ends well below top-k with
+  the optimizer's momentum, on both exchanges, and its momenta survive a checkpoint.
 """
 from __future__ import annotations
 
@@ -190,6 +196,8 @@ def _hook_configs():
         "q1": (lambda: H.QuantizeState(bits=1), H.quantize_hook),
         "q4_bf16": (lambda: H.QuantizeState(bits=4), H.bf16_wrapper(H.quantize_hook)),
         "q8_torch_fp16": (lambda: H.QuantizeState(bits=8), fp16_compress_wrapper(H.quantize_hook)),
+        "topk1%_ag": (lambda: H.TopKState(density=0.01, exact=True, exchange="allgather"), H.topk_hook),
+        "q4_ag": (lambda: H.QuantizeState(bits=4, exchange="allgather"), H.quantize_hook),
         "allreduce_fp16": (lambda: None, H.fp16_wrapper(H.allreduce_hook)),
     }
 
@@ -295,14 +303,15 @@ def _exchange_checks(ctx):
         out[idx] = val
         return out
 
+    ag = {"exchange": "allgather"}  # the reference exchange, on every backend
     cases = {
-        "topk": (lambda: H.TopKState(density=0.05, exact=True, error_feedback=False), H.topk_hook,
+        "topk": (lambda: H.TopKState(density=0.05, exact=True, error_feedback=False, **ag), H.topk_hook,
                  lambda x: ref_topk(x, 0.05)),
-        "q8": (lambda: H.QuantizeState(bits=8, block=32, stochastic=False, error_feedback=False),
+        "q8": (lambda: H.QuantizeState(bits=8, block=32, stochastic=False, error_feedback=False, **ag),
                H.quantize_hook, lambda x: C.dequantize_blockwise(C.quantize_blockwise(x, 8, 32))),
-        "q4": (lambda: H.QuantizeState(bits=4, block=32, stochastic=False, error_feedback=False),
+        "q4": (lambda: H.QuantizeState(bits=4, block=32, stochastic=False, error_feedback=False, **ag),
                H.quantize_hook, lambda x: C.dequantize_blockwise(C.quantize_blockwise(x, 4, 32))),
-        "q1": (lambda: H.QuantizeState(bits=1, block=32, error_feedback=False), H.quantize_hook,
+        "q1": (lambda: H.QuantizeState(bits=1, block=32, error_feedback=False, **ag), H.quantize_hook,
                lambda x: C.dequantize_blockwise(C.quantize_blockwise(x, 1, 32))),
     }
     results = {}
@@ -316,16 +325,22 @@ def _exchange_checks(ctx):
                                 f"contributions (max diff {(got[i] - expected).abs().max():.3g})")
         results[name] = torch.cat(got)
     # error feedback: residual = input - what was sent
-    state = H.TopKState(density=0.05, exact=True)
+    state = H.TopKState(density=0.05, exact=True, **ag)
     _run_buckets(state, H.topk_hook, params, grads(ctx.rank, 0), [[0, 1, 2, 3]])
     for i in range(len(shapes)):
         g = grads(ctx.rank, 0)[i].reshape(-1)
         if not torch.equal(state._residuals[i], g - ref_topk(g, 0.05)):
             problems.append(f"topk: residual of parameter {i} is not input - sent")
+    if H._is_pycomm(None):
+        problems += _collective_checks(ctx, params, grads, results)
     # layout invariance with error feedback and stochastic rounding over three steps
+    # (on pycomm groups through the compressed collectives, elsewhere all_gather)
     layouts = ([[0, 1, 2, 3]], [[3, 2], [1, 0]], [[1], [0, 3], [2]])
     for name, factory, hook in (("topk_ef", lambda: H.TopKState(density=0.05), H.topk_hook),
-                                ("q4_ef", lambda: H.QuantizeState(bits=4, block=32), H.quantize_hook)):
+                                ("topk_ef_bf16", lambda: H.TopKState(density=0.05, value_dtype="bfloat16"),
+                                 H.topk_hook),
+                                ("q4_ef", lambda: H.QuantizeState(bits=4, block=32), H.quantize_hook),
+                                ("q1_ef", lambda: H.QuantizeState(bits=1, block=32), H.quantize_hook)):
         runs = []
         for layout in layouts:
             state = factory()
@@ -337,6 +352,14 @@ def _exchange_checks(ctx):
             problems.append(f"{name}: results depend on the bucket layout")
         results[name] = runs[0]
     # usage errors
+    for make in (lambda: H.TopKState(exchange="ring"), lambda: H.QuantizeState(exchange=None),
+                 lambda: H.TopKState(value_dtype="int8")):
+        try:
+            make()
+            problems.append("a bad exchange / value_dtype was accepted")
+        except ValueError as exc:
+            if "pycomm" not in str(exc):
+                problems.append(f"unexpected message: {exc}")
     try:
         H.topk_hook(None, _Bucket(params, grads(0, 0), 0, True))
         problems.append("topk_hook accepted state=None")
@@ -344,6 +367,58 @@ def _exchange_checks(ctx):
         if "pycomm topk_hook: state must be a TopKState" not in str(exc):
             problems.append(f"unexpected message: {exc}")
     return problems, results
+
+
+def _collective_checks(ctx, params, grads, results):
+    """pycomm groups: the hooks' compressed collectives against references computed here."""
+    from pycomm import _C
+    from pycomm import hooks as H
+
+    K, world, problems = _C.kernels, ctx.world_size, []
+
+    def kcodec(x, bits, block):  # the C++ codec over one parameter
+        x = x.reshape(-1).contiguous()
+        return K.dequantize(K.quantize(x, bits, block), x.numel(), bits, block)
+
+    # deterministic quantization without error feedback: owners' chunks are whole blocks
+    # of each parameter, so the result is codec(sum_r codec(g_r)) / world, bit for bit
+    for bits in (8, 4, 1):
+        state = H.QuantizeState(bits=bits, block=32, stochastic=False, error_feedback=False)
+        got = _run_buckets(state, H.quantize_hook, params, grads(ctx.rank, 0), [[0, 1], [2, 3]])
+        for i in range(len(params)):
+            acc = None
+            for r in range(world):
+                d = kcodec(grads(r, 0)[i], bits, 32)
+                acc = d if acc is None else acc + d
+            expected = kcodec(acc, bits, 32) / world
+            if not torch.equal(got[i], expected):
+                problems.append(f"allreduce_quantized q{bits}: parameter {i} differs from "
+                                f"codec(sum of codecs) / world (max diff {(got[i] - expected).abs().max():.3g})")
+        results[f"pycomm_q{bits}"] = torch.cat(got)
+    # error feedback loses nothing: world * result + sum of new residuals == sum over ranks of
+    # (gradient + old residual), for the sparse and the quantized all-reduce, over two steps
+    for name, factory, hook in (
+            ("topk", lambda: H.TopKState(density=0.05), H.topk_hook),
+            ("topk_bf16", lambda: H.TopKState(density=0.05, value_dtype="bfloat16"), H.topk_hook),
+            ("q4", lambda: H.QuantizeState(bits=4, block=32), H.quantize_hook),
+            ("q1", lambda: H.QuantizeState(bits=1, block=32), H.quantize_hook)):
+        state = factory()
+        old = torch.zeros(sum(p.numel() for p in params))
+        for step in range(2):
+            got = torch.cat(_run_buckets(state, hook, params, grads(ctx.rank, step), [[0, 1], [2, 3]]))
+            new = torch.cat([state._residuals[i].reshape(-1) for i in range(len(params))])
+            both = torch.stack([old, new])
+            gathered = [torch.empty_like(both) for _ in range(world)]
+            dist.all_gather(gathered, both)
+            inputs = sum(torch.cat([g.reshape(-1) for g in grads(r, step)]) for r in range(world))
+            inputs = inputs + sum(t[0] for t in gathered)
+            lost = (got * world + sum(t[1] for t in gathered) - inputs).abs().max().item()
+            if lost > 1e-5 * inputs.abs().max().item() * world:
+                problems.append(f"{name} step {step}: result + residuals differ from the inputs by {lost:.3g}")
+            if (got - inputs / world).abs().max() == 0:
+                problems.append(f"{name} step {step}: no compression happened")
+            old = new.clone()
+    return problems
 
 
 def _bytes_checks(ctx):
@@ -355,7 +430,7 @@ def _bytes_checks(ctx):
         return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 64))
 
     steps, sent = 3, {}
-    for name in ("allreduce", "topk1%", "topk1%_fp16", "q8", "q4", "q1"):
+    for name in ("allreduce", "topk1%", "topk1%_fp16", "q8", "q4", "q1", "topk1%_ag", "q4_ag"):
         factory, hook = _hook_configs()[name]
         m = model()
         ddp = DDP(m)  # one bucket
@@ -494,6 +569,75 @@ def _checkpoint_checks(ctx):
     return problems
 
 
+def _momentum_checks(ctx):
+    """DGC momentum correction (TopKState(momentum=0.9) with plain SGD) against top-k with the
+    optimizer's momentum, on both exchanges; and a checkpoint round trip of the momenta."""
+    from pycomm import hooks as H
+
+    problems, out, lr = [], {}, 0.01
+    runs = {
+        "topk_sgd_momentum": (lambda: H.TopKState(density=0.01), 0.9),
+        "topk_dgc": (lambda: H.TopKState(density=0.01, momentum=0.9), 0.0),
+        "topk_dgc_allgather": (lambda: H.TopKState(density=0.01, momentum=0.9, exchange="allgather"), 0.0),
+    }
+    for name, (factory, momentum) in runs.items():
+        model = _student()
+        ddp = _wrap(model, factory(), H.topk_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        losses = []
+        for step in range(TRAIN_STEPS):
+            ctx.progress(f"momentum {name} step {step}")
+            x, y = _batch(ctx.rank, step)
+            loss = F.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = (losses, _flat(model))
+    plain = _tail(out["topk_sgd_momentum"][0])
+    for name in ("topk_dgc", "topk_dgc_allgather"):
+        losses = out[name][0]
+        if not _tail(losses) < 0.5 * sum(losses[:10]) / 10:
+            problems.append(f"{name}: loss went from {sum(losses[:10]) / 10:.4f} to only {_tail(losses):.4f}")
+        if not _tail(losses) < 0.75 * plain:
+            problems.append(f"{name}: final loss {_tail(losses):.4f} not below 0.75 x top-k with SGD "
+                            f"momentum ({plain:.4f})")
+    # checkpoint: momenta travel in state_dict; a resumed run repeats the uninterrupted one
+    def train(state, model, start, steps):
+        ddp = _wrap(model, state, H.topk_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        losses = []
+        for step in range(start, start + steps):
+            x, y = _batch(ctx.rank, step)
+            loss = F.mse_loss(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    full = train(H.TopKState(density=0.01, momentum=0.9), _student(), 0, 12)
+    model, state = _student(), H.TopKState(density=0.01, momentum=0.9)
+    first = train(state, model, 0, 5)
+    blob = io.BytesIO()
+    torch.save({"hook": state.state_dict(), "model": model.state_dict()}, blob)
+    blob.seek(0)
+    ckpt = torch.load(blob, weights_only=True)
+    if len(ckpt["hook"]["momenta"]) != len(list(model.parameters())):
+        problems.append("topk_dgc: the checkpoint does not hold a momentum per parameter")
+    model2, state2 = _student(seed=7), H.TopKState(density=0.01, momentum=0.9)
+    model2.load_state_dict(ckpt["model"])
+    state2.load_state_dict(ckpt["hook"])
+    if first + train(state2, model2, 5, 7) != full:
+        problems.append("topk_dgc: resumed losses differ from the uninterrupted run")
+    try:
+        H.TopKState(momentum=1.0)
+        problems.append("TopKState accepted momentum=1.0")
+    except ValueError:
+        pass
+    return problems, out
+
+
 def _training_checks(ctx, names):
     out = {}
     for name in names:
@@ -517,6 +661,7 @@ def _worker(ctx, train_names):
     out["bytes"] = _bytes_checks(ctx) if dist.get_backend() == "pycomm" else None
     out["no_sync"] = _no_sync_checks(ctx)
     out["checkpoint"] = _checkpoint_checks(ctx)
+    out["momentum"] = _momentum_checks(ctx)
     return out
 
 
@@ -531,7 +676,11 @@ def _check_run(rets, world, train_names, backend):
         problems += [f"rank {r}: {p}" for p in rets[r]["exchange"][0]]
         problems += [f"rank {r}: no_sync {p}" for p in rets[r]["no_sync"][0]]
         problems += [f"rank {r}: checkpoint {p}" for p in rets[r]["checkpoint"]]
+        problems += [f"rank {r}: momentum {p}" for p in rets[r]["momentum"][0]]
     for r in range(1, world):
+        for name, (_, params) in r0["momentum"][1].items():
+            if not torch.equal(params, rets[r]["momentum"][1][name][1]):
+                problems.append(f"momentum {name}: parameters differ between rank 0 and rank {r}")
         for name, t in r0["exchange"][1].items():
             if not torch.equal(t, rets[r]["exchange"][1][name]):
                 problems.append(f"exchange {name}: result differs between rank 0 and rank {r}")
@@ -562,35 +711,64 @@ def _check_run(rets, world, train_names, backend):
     if summary["topk1%"] > TOPK_LOSS_FACTOR * dense:
         problems.append(f"topk1% final loss {summary['topk1%']:.4f} > {TOPK_LOSS_FACTOR} x dense {dense:.4f}")
     print(f"\n[{backend}, {world} ranks] final loss (mean of last 10 steps): "
-          + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()))
+          + ", ".join(f"{k} {v:.4f}" for k, v in summary.items())
+          + "; lr 0.01: " + ", ".join(f"{k} {_tail(v[0]):.4f}" for k, v in r0["momentum"][1].items()))
     if r0["bytes"] is not None:
         problems += _check_bytes(rets, world)
     return problems
 
 
+def _pieces(numel, world, align):
+    """Lengths of the chunks rank c owns of one parameter (csrc/algorithms/ownership.h)."""
+    units = -(-numel // align)
+    base, extra = divmod(units, world)
+    out, lo = [], 0
+    for c in range(world):
+        hi = lo + base + (1 if c < extra else 0)
+        out.append(min(numel, hi * align) - min(numel, lo * align))
+        lo = hi
+    return out
+
+
 def _check_bytes(rets, world):
+    from pycomm import _C
+
+    K = _C.kernels
     problems = []
     sent = {name: sum(rets[r]["bytes"][0][name] for r in range(world)) for name in rets[0]["bytes"][0]}
     numels = rets[0]["bytes"][1]
     n = sum(numels)
     dense_total = 2 * (world - 1) * 4 * n  # ring / sharded / tree all move 2(n-1) S in total
-    payload = {
-        "topk1%": sum(C.compressed_nbytes(m, "topk", density=0.01) for m in numels),
-        "topk1%_fp16": sum(C.compressed_nbytes(m, "topk", density=0.01, value_bytes=2) for m in numels),
-        "q8": sum(C.compressed_nbytes(m, bits=8) for m in numels),
-        "q4": sum(C.compressed_nbytes(m, bits=4) for m in numels),
-        "q1": sum(C.compressed_nbytes(m, bits=1) for m in numels),
-    }
     lines = [f"[{world} ranks] bytes sent per step, all ranks, {n} parameters: dense {sent['allreduce']:.0f}"]
     if abs(sent["allreduce"] - dense_total) > 0.02 * dense_total:
         problems.append(f"dense: {sent['allreduce']:.0f} bytes per step, expected {dense_total}")
-    for name, p in payload.items():
-        expected = world * (world - 1) * p  # ring all-gather of one payload per rank
+
+    def report(name, expected, exact=True):
         ratio = sent["allreduce"] / sent[name]
-        lines.append(f"{name} {sent[name]:.0f} (dense/{name} = {ratio:.2f}, expected "
-                     f"{dense_total / expected:.2f})")
-        if abs(sent[name] - expected) > 0.05 * expected:
+        lines.append(f"{name} {sent[name]:.0f} (dense/{name} = {ratio:.2f}, "
+                     f"{'expected' if exact else 'bound'} {dense_total / expected:.2f})")
+        if exact and abs(sent[name] - expected) > 0.05 * expected:
             problems.append(f"{name}: {sent[name]:.0f} bytes per step, expected {expected}")
+        if not exact and sent[name] > expected:
+            problems.append(f"{name}: {sent[name]:.0f} bytes per step, above the bound {expected}")
+
+    # all_gather exchange: every rank's payload to every other rank
+    report("topk1%_ag", world * (world - 1) * sum(C.compressed_nbytes(m, "topk", density=0.01) for m in numels))
+    report("q4_ag", world * (world - 1) * sum(C.compressed_nbytes(m, bits=4) for m in numels))
+    # two-phase quantized all-reduce: every owner's packed pieces cross (n-1) links twice
+    for bits in (8, 4, 1):
+        packed = sum(K.packed_size(p, bits, 256) for m in numels for p in _pieces(m, world, 256))
+        report(f"q{bits}", 2 * (world - 1) * packed)
+    # sparse all-reduce: at most k pairs per rank in phase 1 and the owners' kept entries to
+    # (n-1) ranks in phase 2; an index costs at most 3 bytes (gaps < 2^21), a header 16 bytes
+    k = sum(K.topk_count(m, 0.01) for m in numels)
+    kept = sum(K.topk_count(p, 0.01) for m in numels for p in _pieces(m, world, 1) if p)
+    headers = 2 * world * (world - 1) * 2 * 16
+    for name, value_bytes in (("topk1%", 4), ("topk1%_fp16", 2)):
+        report(name, (world * k + (world - 1) * kept) * (3 + value_bytes) + headers, exact=False)
+        # the issue's target is >= 50x for top-k 1% (8-byte pairs would give 50x at best)
+        if sent["allreduce"] / sent[name] < {4: 60, 2: 90}[value_bytes]:
+            problems.append(f"{name}: only {sent['allreduce'] / sent[name]:.1f}x fewer bytes than dense")
     print("\n" + "; ".join(lines))
     return problems
 

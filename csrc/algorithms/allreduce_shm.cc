@@ -7,6 +7,8 @@
 //    (kReduced), and every rank copies all reduced sub-chunks out (kConsumed).
 // A slot is refilled only after every rank consumed what it held `depth`
 // segments ago, so fast ranks run ahead by up to depth - 1 segments.
+// pycomm.stats() counts the bytes peers read from this rank's slot (once per
+// reader) as sent, those it reads from peers' slots as received.
 // Results are bit-identical on every rank: in the split form each element is
 // reduced once, by one rank; in the whole form every rank reduces in rank order
 // (for SUM/PRODUCT of two ranks, commutativity makes the order irrelevant).
@@ -45,14 +47,15 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
     if (g >= static_cast<uint64_t>(depth)) comm.waitArenaAll(ShmArena::kConsumed, g - depth + 1);
     std::memcpy(arena.slot(me, g), mine, bytes);
     arena.publish(ShmArena::kPosted, g + 1);
-    bytesIn += bytes;
     comm.waitArenaAll(ShmArena::kPosted, g + 1);
     if (n == 2 && commutativeBitwise(op)) {
       reduceInto(mine, arena.slot(1 - me, g), elems, dtype, op);
+      bytesIn += bytes;
       bytesOut += bytes;
     } else if (bytes <= arena.slotBytes() / kReduceAllDivisor) {
       std::memcpy(mine, arena.slot(0, g), bytes);
       for (int j = 1; j < n; ++j) reduceInto(mine, arena.slot(j, g), elems, dtype, op);
+      bytesIn += (n - 1) * bytes;
       bytesOut += (n - 1) * bytes;
     } else {
       const std::vector<size_t> sub = balancedOffsets(elems, n);
@@ -66,7 +69,10 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
       comm.waitArenaAll(ShmArena::kReduced, g + 1);
       for (int j = 0; j < n; ++j)
         std::memcpy(mine + sub[j] * elem, arena.slot(j, g) + sub[j] * elem, (sub[j + 1] - sub[j]) * elem);
-      bytesOut += bytes;
+      // As a reduce-scatter + all-gather would move: 2 (n-1)/n of the segment.
+      const size_t ownBytes = (sub[me + 1] - sub[me]) * elem;
+      bytesIn += (bytes - ownBytes) + (n - 1) * ownBytes;
+      bytesOut += (n - 1) * ownBytes + (bytes - ownBytes);
     }
     arena.publish(ShmArena::kConsumed, g + 1);
   }

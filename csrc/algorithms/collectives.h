@@ -10,6 +10,7 @@
 #include "algorithms/comm.h"
 #include "common/dtype.h"
 #include "common/reduce_op.h"
+#include "kernels/cpu/quantize.h"
 
 namespace pycomm {
 
@@ -114,5 +115,41 @@ void scatter(Comm& comm, const std::vector<const char*>& inputs, void* output, s
 void alltoall(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
               const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes);
 void barrier(Comm& comm);
+
+// ---- compressed collectives (float32 gradients; allreduce_quantized.cc, allreduce_sparse.cc)
+
+// Two-phase quantized all-reduce: buf (count float32) <- the sum over ranks of the
+// decoded quantized contributions, requantized by each chunk's owner; bit-identical on
+// every rank. segments: lengths of the runs (parameters) the buffer holds, summing to
+// count (empty: one); rank c owns chunk c (whole blocks) of each, so blocks never cross
+// segments and each element's result depends on its segment alone. segmentKeys (empty,
+// or one per segment) name segments in the stochastic-rounding seeds. residual (count
+// float32, or nullptr): error feedback for both phases (see allreduce_quantized.cc).
+void allreduceQuantized(Comm& comm, float* buf, size_t count, const std::vector<size_t>& segments,
+                        const std::vector<uint64_t>& segmentKeys, const QuantizeOptions& opts,
+                        float* residual);
+// Payload bytes `rank` sends in allreduceQuantized.
+size_t quantizedAllreduceBytes(size_t count, const std::vector<size_t>& segments,
+                               const QuantizeOptions& opts, int worldSize, int rank);
+
+struct SparseAllreduceOptions {
+  DataType valueType = DataType::kFloat32;  // values on the wire: float32, float16 or bfloat16
+  double keepDensity = 0.0;  // owners keep ceil(keepDensity * chunk) entries; 0 keeps every nonzero
+};
+struct SparseAllreduceResult {
+  size_t bytesSent = 0;    // payload bytes this rank sent (headers included)
+  size_t keptByOwner = 0;  // entries this rank's chunk kept in phase 2
+};
+// Sparse all-reduce: out (count float32) <- the sum over ranks of the pairs
+// (indices strictly ascending in [0, count), values), reduced by the owners of each
+// segment's chunks, who keep their largest entries (opts.keepDensity); bit-identical on
+// every rank. segments as in allreduceQuantized. residual
+// (count float32, or nullptr): += wire rounding of this rank's values and, on owners,
+// what phase 2 dropped. Format and protocol in allreduce_sparse.cc.
+SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const float* values,
+                                      size_t nnz, size_t count, const std::vector<size_t>& segments,
+                                      float* out, float* residual, const SparseAllreduceOptions& opts);
+// Throws a usage error naming `op` unless indices are strictly ascending in [0, count).
+void checkSparseInput(const char* op, const int64_t* indices, size_t nnz, size_t count);
 
 }  // namespace pycomm

@@ -8,6 +8,10 @@
 // publishes kConsumed. Every rank takes part in every step, so segment indices
 // stay equal across ranks. Collectives that send different data to different
 // ranks split a slot into one sub-slot per destination.
+//
+// pycomm.stats() counts what a point-to-point algorithm would have moved: a
+// rank "sends" the bytes of its slot that peers read (once per reader) and
+// "receives" what it reads from peers' slots.
 #include <algorithm>
 #include <cstring>
 
@@ -28,9 +32,10 @@ class Steps {
       comm_.waitArenaAll(ShmArena::kConsumed, g_ - arena_.depth() + 1);
     return arena_.slot(me_, g_);
   }
-  void post(uint64_t bytesIn = 0) {
+  // `bytesSent`: what peers will read of this step's slot, once per reader.
+  void post(uint64_t bytesSent = 0) {
     arena_.publish(ShmArena::kPosted, g_ + 1);
-    bytesIn_ += bytesIn;
+    bytesIn_ += bytesSent;
   }
   // Rank j's slot of this step, once j has posted it.
   const char* from(int j, uint64_t bytesOut = 0) {
@@ -76,7 +81,7 @@ void broadcastShm(Comm& comm, void* buf, size_t bytes, int root) {
     const size_t len = part(bytes, off, steps.slotBytes());
     char* slot = steps.begin();
     if (steps.rank() == root) std::memcpy(slot, data + off, len);
-    steps.post(steps.rank() == root ? len : 0);
+    steps.post(steps.rank() == root ? (steps.size() - 1) * len : 0);
     if (steps.rank() != root) std::memcpy(data + off, steps.from(root, len), len);
     steps.end();
   }
@@ -93,7 +98,7 @@ void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vecto
     char* slot = steps.begin();
     const size_t mine = part(bytes[me], off, unit);
     if (mine) std::memcpy(slot, chunks[me] + off, mine);
-    steps.post(mine);
+    steps.post((n - 1) * mine);
     for (int j = 0; j < n; ++j) {
       const size_t len = part(bytes[j], off, unit);
       if (j != me && len) std::memcpy(chunks[j] + off, steps.from(j, len), len);

@@ -5,7 +5,9 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <thread>
+#include <tuple>
 
 #include "algorithms/collectives.h"
 #include "common/stats.h"
@@ -129,6 +131,113 @@ std::vector<at::Tensor> loopbackCollective(const std::string& collective,
   return outputs;
 }
 
+
+// ---- compressed collectives over loopback (tests/test_compressed_collectives.py)
+
+// Runs fn(comm, rank) on n threads over a fresh loopback fabric; rethrows the first
+// rank's error (usage errors as ValueError).
+template <typename F>
+void runLoopbackRanks(int n, double timeoutSeconds, F fn) {
+  auto fabric = std::make_shared<LoopbackFabric>(n);
+  std::vector<std::string> errors(n);
+  std::vector<int> usageError(n, 0);
+  {
+    py::gil_scoped_release release;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          LoopbackTransport transport(fabric, r);
+          Comm comm(transport, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
+                    256 * 1024);
+          fn(comm, r);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+          const auto* err = dynamic_cast<const Error*>(&e);
+          usageError[r] = err != nullptr && err->kind() == ErrorKind::kUsage;
+          LoopbackTransport(fabric, r).abort(strCat("rank ", r, " failed: ", e.what()));
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
+  }
+  for (int r = 0; r < n; ++r)
+    if (usageError[r]) throw py::value_error(errors[r]);
+  for (int r = 0; r < n; ++r)
+    if (!errors[r].empty()) throw std::runtime_error("rank " + std::to_string(r) + ": " + errors[r]);
+}
+
+void checkLoopbackFloats(const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const auto& t : tensors)
+    if (t.scalar_type() != at::kFloat || !t.is_contiguous() || !t.device().is_cpu())
+      throw py::value_error(std::string(what) + " must be contiguous CPU float32 tensors");
+}
+
+// tensors[r] <- the quantized sum (in place); residuals[r] updated when given.
+void loopbackAllreduceQuantized(std::vector<at::Tensor> tensors,
+                                std::optional<std::vector<at::Tensor>> residuals, int bits,
+                                int64_t block, bool stochastic, int64_t seed,
+                                std::vector<size_t> segments, double timeoutSeconds) {
+  const int n = static_cast<int>(tensors.size());
+  checkLoopbackFloats(tensors, "tensors");
+  if (residuals) {
+    checkLoopbackFloats(*residuals, "residuals");
+    if (static_cast<int>(residuals->size()) != n) throw py::value_error("one residual per rank");
+    for (int r = 0; r < n; ++r)
+      if ((*residuals)[r].numel() != tensors[r].numel())
+        throw py::value_error("residual " + std::to_string(r) + " differs in size from its tensor");
+  }
+  QuantizeOptions opts;
+  opts.bits = bits;
+  opts.block = static_cast<size_t>(std::max<int64_t>(block, 0));
+  opts.stochastic = stochastic;
+  opts.seed = static_cast<uint64_t>(seed);
+  runLoopbackRanks(n, timeoutSeconds, [&](Comm& comm, int r) {
+    comm.begin("allreduce_quantized");
+    allreduceQuantized(comm, tensors[r].data_ptr<float>(), static_cast<size_t>(tensors[r].numel()),
+                       segments, {}, opts, residuals ? (*residuals)[r].data_ptr<float>() : nullptr);
+  });
+}
+
+// Returns (outputs, bytes sent per rank, entries kept per owner).
+std::tuple<std::vector<at::Tensor>, std::vector<size_t>, std::vector<size_t>> loopbackAllreduceSparse(
+    std::vector<at::Tensor> indices, std::vector<at::Tensor> values, int64_t count,
+    std::optional<std::vector<at::Tensor>> residuals, const std::string& valueType,
+    double keepDensity, std::vector<size_t> segments, double timeoutSeconds) {
+  const int n = static_cast<int>(indices.size());
+  checkLoopbackFloats(values, "values");
+  if (static_cast<int>(values.size()) != n) throw py::value_error("one values tensor per rank");
+  for (int r = 0; r < n; ++r)
+    if (indices[r].scalar_type() != at::kLong || !indices[r].is_contiguous() ||
+        indices[r].numel() != values[r].numel())
+      throw py::value_error("indices must be contiguous int64 tensors as long as the values");
+  if (residuals) {
+    checkLoopbackFloats(*residuals, "residuals");
+    if (static_cast<int>(residuals->size()) != n) throw py::value_error("one residual per rank");
+    for (const auto& e : *residuals)
+      if (e.numel() != count) throw py::value_error("residuals must have `count` elements");
+  }
+  SparseAllreduceOptions opts;
+  opts.valueType = valueType == "float16"    ? DataType::kFloat16
+                   : valueType == "bfloat16" ? DataType::kBFloat16
+                   : valueType == "float32"  ? DataType::kFloat32
+                                             : DataType::kInt8;  // rejected by the algorithm
+  opts.keepDensity = keepDensity;
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < n; ++r) outputs.push_back(at::empty({count}, at::kFloat));
+  std::vector<size_t> sent(n), kept(n);
+  runLoopbackRanks(n, timeoutSeconds, [&](Comm& comm, int r) {
+    comm.begin("allreduce_sparse");
+    const SparseAllreduceResult result = allreduceSparse(
+        comm, indices[r].data_ptr<int64_t>(), values[r].data_ptr<float>(),
+        static_cast<size_t>(indices[r].numel()), static_cast<size_t>(count), segments,
+        outputs[r].data_ptr<float>(), residuals ? (*residuals)[r].data_ptr<float>() : nullptr, opts);
+    sent[r] = result.bytesSent;
+    kept[r] = result.keptByOwner;
+  });
+  return {outputs, sent, kept};
+}
+
 }  // namespace
 }  // namespace pycomm
 
@@ -174,7 +283,34 @@ PYBIND11_MODULE(_C, m) {
       .def("last_algorithm", &ProcessGroupPycomm::lastAlgorithm)
       .def("failure", &ProcessGroupPycomm::failure)
       .def("bytes_sent", &ProcessGroupPycomm::bytesSent)
-      .def("bytes_received", &ProcessGroupPycomm::bytesReceived);
+      .def("bytes_received", &ProcessGroupPycomm::bytesReceived)
+      // ---- compressed collectives (process_group_compressed.cc)
+      .def(
+          "allreduce_quantized",
+          [](ProcessGroupPycomm& pg, at::Tensor tensor, std::optional<at::Tensor> residual, int bits,
+             int64_t block, bool stochastic, int64_t seed, std::vector<int64_t> segments,
+             std::vector<int64_t> keys, bool asyncOp) {
+            return pg.allreduceQuantizedTensor(tensor, residual.value_or(at::Tensor()), segments, keys,
+                                               bits, block, stochastic, seed, asyncOp);
+          },
+          py::arg("tensor"), py::arg("residual") = py::none(), py::arg("bits") = 8,
+          py::arg("block") = 256, py::arg("stochastic") = false, py::arg("seed") = 0,
+          py::arg("segments") = std::vector<int64_t>{}, py::arg("keys") = std::vector<int64_t>{},
+          py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
+          "two-phase quantized all-reduce (SUM) of a float32 tensor in place; returns a Work")
+      .def(
+          "allreduce_sparse",
+          [](ProcessGroupPycomm& pg, at::Tensor indices, at::Tensor values, at::Tensor out,
+             std::optional<at::Tensor> residual, const std::string& valueDtype, double keepDensity,
+             std::vector<int64_t> segments, bool asyncOp) {
+            return pg.allreduceSparseTensor(indices, values, out, residual.value_or(at::Tensor()),
+                                            segments, valueDtype, keepDensity, asyncOp);
+          },
+          py::arg("indices"), py::arg("values"), py::arg("out"), py::arg("residual") = py::none(),
+          py::arg("value_dtype") = "float32", py::arg("keep_density") = 0.0,
+          py::arg("segments") = std::vector<int64_t>{}, py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
+          "sparse all-reduce (SUM) of (ascending int64 indices, float32 values) into the dense "
+          "float32 `out`; returns a Work");
 #ifdef PYCOMM_WITH_CUDA
   // Registered so that pybind11, which names an object by its most derived C++ type,
   // hands torch's backend objects to Python as a ProcessGroupPycomm subclass (without
@@ -188,6 +324,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tensors"), py::arg("op") = "sum", py::arg("algorithm") = "auto",
         py::arg("root") = 0, py::arg("segment_bytes") = 256 * 1024,
         py::arg("timeout_seconds") = 60.0);
+  m.def("_loopback_allreduce_quantized", &pycomm::loopbackAllreduceQuantized, py::arg("tensors"),
+        py::arg("residuals") = py::none(), py::arg("bits") = 8, py::arg("block") = 256,
+        py::arg("stochastic") = false, py::arg("seed") = 0,
+        py::arg("segments") = std::vector<size_t>{}, py::arg("timeout_seconds") = 60.0);
+  m.def("_loopback_allreduce_sparse", &pycomm::loopbackAllreduceSparse, py::arg("indices"),
+        py::arg("values"), py::arg("count"), py::arg("residuals") = py::none(),
+        py::arg("value_dtype") = "float32", py::arg("keep_density") = 0.0,
+        py::arg("segments") = std::vector<size_t>{}, py::arg("timeout_seconds") = 60.0);
   m.def("_stats", [] {
     auto& stats = pycomm::Stats::instance();
     py::dict ops;

@@ -43,9 +43,8 @@ DataType toDataType(const char* op, at::ScalarType type) {
 
 namespace {
 
-// The node-local arena: slots per rank and their size (allreduce_shm.cc's
-// segment). 4 x 256 KiB per rank stays inside this machine's L2/L3.
-constexpr size_t kArenaSlotBytes = 256 * 1024;
+// The node-local arena's slots per rank; each holds one pipeline segment
+// (PYCOMM_SEGMENT_BYTES, 256 KiB by default: 4 of them stay in L2/L3).
 constexpr int kArenaDepth = 4;
 
 using c10d::OpType;
@@ -191,7 +190,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     std::string shmFailure;
     if (local.size() > 1) {
       try {
-        arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, kArenaSlotBytes,
+        arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, config_.segmentBytes,
                                            kArenaDepth);
       } catch (const Error& e) {
         shmFailure = e.what();

@@ -125,6 +125,26 @@ class ProcessGroupPycomm : public c10d::Backend {
   uint64_t bytesSent() const { return group_->transportPtr()->bytesSent(); }
   uint64_t bytesReceived() const { return group_->transportPtr()->bytesReceived(); }
 
+  // ---- compressed collectives (process_group_compressed.cc; float32 CPU tensors).
+  // Queued on the worker in submission order like every collective; usage errors
+  // raise here; the Work's Future completes with [tensor] / [out].
+  // Quantized all-reduce: tensor <- sum over ranks (allreduceQuantized). residual:
+  // an undefined tensor or float32 of tensor's size (error feedback, updated in place).
+  // segments: lengths of the parameters the tensor holds (empty: one); keys: one per
+  // segment for the rounding seeds (empty: their positions).
+  c10::intrusive_ptr<c10d::Work> allreduceQuantizedTensor(at::Tensor tensor, at::Tensor residual,
+                                                          std::vector<int64_t> segments,
+                                                          std::vector<int64_t> keys, int bits,
+                                                          int64_t block, bool stochastic,
+                                                          int64_t seed, bool asyncOp);
+  // Sparse all-reduce: out (count float32) <- sum over ranks of (indices int64
+  // ascending, values float32). valueType "float32" | "float16" | "bfloat16".
+  c10::intrusive_ptr<c10d::Work> allreduceSparseTensor(at::Tensor indices, at::Tensor values,
+                                                       at::Tensor out, at::Tensor residual,
+                                                       std::vector<int64_t> segments,
+                                                       const std::string& valueType,
+                                                       double keepDensity, bool asyncOp);
+
  private:
   using Body = std::function<void(Comm&)>;
   // Queues `body` for the worker; the returned work completes with `outputs`.

@@ -238,9 +238,13 @@ PYCOMM_ALWAYS_INLINE void dequantizeAll(const uint8_t* __restrict packed, size_t
       }
       if (n % 2) y[n - 1] = static_cast<float>((codes[n / 2] & 15) - 8) * scale;
     } else {
+      // Branch-free: bit 0 flips the sign bit of the scale (random signs defeat a branch).
+      uint32_t scaleBits;
+      std::memcpy(&scaleBits, &scale, 4);
       for (size_t j = 0; j < n; ++j) {
-        const uint32_t bit = (codes[j / 8] >> (j % 8)) & 1u;
-        y[j] = bit ? scale : -scale;
+        const uint32_t negative = ((codes[j / 8] >> (j % 8)) & 1u) ^ 1u;
+        const uint32_t v = scaleBits ^ (negative << 31);
+        std::memcpy(y + j, &v, 4);
       }
     }
     packed += 4 + codeBytes(n, Bits);

@@ -1,0 +1,344 @@
+// Sparse all-reduce of (index, value) pairs, for top-k sparsified gradients.
+//
+// The dense index space is a run of segments (parameters); rank c owns chunk c of
+// every segment (balanced, ownership.h). Its "owned space" is the concatenation of
+// those pieces; messages to and from owner c index into it.
+//
+//   phase 1: every rank sends each owner the pairs whose index it owns; the owner
+//            adds the n contributions into a dense float32 owned space in rank order
+//            (0, 1, ..., n-1).
+//   phase 2: the owner keeps, of every piece, the ceil(keepDensity * piece) largest
+//            |sum| (all nonzero entries when keepDensity == 0) and sends them to every
+//            rank; every rank (the owner included) decodes every owner's message into
+//            the dense output, so the result is bit-identical everywhere. What each
+//            element becomes depends on its segment alone, not on the other segments.
+//
+// Messages (little-endian): a 16-byte header {uint32 format, uint32 nnz, uint64
+// payloadBytes}, then the payload in a second message.
+//   format 0 (sparse): the nnz positions in the owner's space, ascending, as LEB128
+//            varints of the gaps (first: position, then position - previous - 1), then
+//            nnz values in the wire value type;
+//   format 1 (dense):  every element of the owner's space in the wire value type.
+// Each message takes whichever is smaller, so a dense union costs no more than a
+// dense reduce of that chunk. The wire value type is float32, float16 or bfloat16
+// (round to nearest even).
+//
+// Error feedback (residual != nullptr): what the wire rounding changed in this rank's
+// values (value - decoded) and, on the owner, what phase 2 did not send
+// (sum - decoded phase-2 message) are added to the residual, so sum over ranks of
+// the inputs equals the result plus the residuals' increase, up to float rounding.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "algorithms/collectives.h"
+#include "algorithms/ownership.h"
+#include "kernels/cpu/half.h"
+#include "kernels/cpu/topk.h"  // topkCount
+
+namespace pycomm {
+namespace {
+
+constexpr uint32_t kSparseFormat = 0;
+constexpr uint32_t kDenseFormat = 1;
+
+struct SparseHeader {
+  uint32_t format;
+  uint32_t nnz;
+  uint64_t payloadBytes;
+};
+static_assert(sizeof(SparseHeader) == 16, "wire header is 16 bytes");
+
+size_t varintBytes(uint64_t v) {
+  size_t bytes = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++bytes;
+  }
+  return bytes;
+}
+
+uint8_t* putVarint(uint8_t* out, uint64_t v) {
+  while (v >= 0x80) {
+    *out++ = static_cast<uint8_t>(v | 0x80);
+    v >>= 7;
+  }
+  *out++ = static_cast<uint8_t>(v);
+  return out;
+}
+
+void putValue(uint8_t* out, float v, DataType type) {
+  if (type == DataType::kFloat32) {
+    std::memcpy(out, &v, 4);
+  } else {
+    const uint16_t h = type == DataType::kFloat16 ? floatToHalf(v) : floatToBfloat16(v);
+    std::memcpy(out, &h, 2);
+  }
+}
+
+float getValue(const uint8_t* in, DataType type) {
+  if (type == DataType::kFloat32) {
+    float v;
+    std::memcpy(&v, in, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, in, 2);
+  return type == DataType::kFloat16 ? halfToFloat(h) : bfloat16ToFloat(h);
+}
+
+// The value as the wire carries it.
+float roundTrip(float v, DataType type) {
+  uint8_t tmp[4];
+  putValue(tmp, v, type);
+  return getValue(tmp, type);
+}
+
+// One encoded message: header then payload, contiguous.
+struct Message {
+  std::vector<uint8_t> bytes;
+  SparseHeader* header() { return reinterpret_cast<SparseHeader*>(bytes.data()); }
+  uint8_t* payload() { return bytes.data() + sizeof(SparseHeader); }
+  size_t payloadBytes() const { return bytes.size() - sizeof(SparseHeader); }
+};
+
+// Encodes pairs (chunk-relative ascending indices `rel`, values) of a chunk of
+// `chunk` elements.
+Message encode(const std::vector<uint32_t>& rel, const float* values, size_t chunk, DataType type) {
+  const size_t valueBytes = elementSize(type);
+  size_t indexBytes = 0;
+  for (size_t j = 0; j < rel.size(); ++j)
+    indexBytes += varintBytes(j == 0 ? rel[0] : rel[j] - rel[j - 1] - 1);
+  const size_t sparseBytes = indexBytes + rel.size() * valueBytes;
+  const size_t denseBytes = chunk * valueBytes;
+  Message m;
+  const bool dense = denseBytes < sparseBytes;
+  m.bytes.assign(sizeof(SparseHeader) + (dense ? denseBytes : sparseBytes), 0);
+  SparseHeader h{dense ? kDenseFormat : kSparseFormat, static_cast<uint32_t>(rel.size()),
+                 static_cast<uint64_t>(dense ? denseBytes : sparseBytes)};
+  std::memcpy(m.bytes.data(), &h, sizeof(h));
+  uint8_t* out = m.payload();
+  if (dense) {
+    // zeros of the wire type are all-zero bytes (assigned above)
+    for (size_t j = 0; j < rel.size(); ++j) putValue(out + rel[j] * valueBytes, values[j], type);
+  } else {
+    for (size_t j = 0; j < rel.size(); ++j) out = putVarint(out, j == 0 ? rel[0] : rel[j] - rel[j - 1] - 1);
+    for (size_t j = 0; j < rel.size(); ++j) putValue(out + j * valueBytes, values[j], type);
+  }
+  return m;
+}
+
+// Adds a message's values into acc[0 .. chunk). Validates what arrived.
+void accumulate(Comm& comm, int from, const SparseHeader& h, const uint8_t* payload, size_t chunk,
+                DataType type, float* acc) {
+  const size_t valueBytes = elementSize(type);
+  auto bad = [&](const char* what) {
+    throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(from),
+               " sent a malformed sparse message (", what, ")");
+  };
+  if (h.format == kDenseFormat) {
+    if (h.payloadBytes != chunk * valueBytes) bad("dense size");
+    for (size_t i = 0; i < chunk; ++i) acc[i] += getValue(payload + i * valueBytes, type);
+    return;
+  }
+  if (h.format != kSparseFormat || h.nnz > chunk) bad("format");
+  const uint64_t valuesAt = h.payloadBytes - static_cast<uint64_t>(h.nnz) * valueBytes;
+  if (static_cast<uint64_t>(h.nnz) * valueBytes > h.payloadBytes) bad("size");
+  const uint8_t* p = payload;
+  const uint8_t* end = payload + valuesAt;
+  uint64_t index = 0;
+  for (uint32_t j = 0; j < h.nnz; ++j) {
+    uint64_t gap = 0;
+    int shift = 0;
+    while (true) {
+      if (p >= end || shift > 56) bad("index");
+      const uint8_t byte = *p++;
+      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) break;
+      shift += 7;
+    }
+    index = j == 0 ? gap : index + gap + 1;
+    if (index >= chunk) bad("index out of range");
+    acc[index] += getValue(payload + valuesAt + j * valueBytes, type);
+  }
+  if (p != end) bad("index bytes");
+}
+
+struct Candidate {
+  uint32_t key;       // |value| as bits: ordered like the magnitude
+  uint32_t position;  // in the piece
+};
+
+uint32_t magnitudeKey(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return bits & 0x7fffffffu;
+}
+
+void checkValueType(DataType type) {
+  PYCOMM_CHECK_USAGE(type == DataType::kFloat32 || type == DataType::kFloat16 ||
+                   type == DataType::kBFloat16,
+               "pycomm allreduce_sparse: the wire value type must be float32, float16 or bfloat16");
+}
+
+}  // namespace
+
+void checkSparseInput(const char* op, const int64_t* indices, size_t nnz, size_t count) {
+  for (size_t j = 0; j < nnz; ++j) {
+    PYCOMM_CHECK_USAGE(indices[j] >= 0 && static_cast<uint64_t>(indices[j]) < count, "pycomm ", op,
+                 ": index ", indices[j], " at position ", j, " is outside [0, ", count, ")");
+    PYCOMM_CHECK_USAGE(j == 0 || indices[j] > indices[j - 1], "pycomm ", op,
+                 ": indices must be strictly ascending (position ", j, ": ", indices[j],
+                 " after ", indices[j - 1], ")");
+  }
+}
+
+SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const float* values,
+                                      size_t nnz, size_t count, const std::vector<size_t>& segments,
+                                      float* out, float* residual, const SparseAllreduceOptions& opts) {
+  checkValueType(opts.valueType);
+  PYCOMM_CHECK_USAGE(opts.keepDensity >= 0.0 && opts.keepDensity <= 1.0,
+               "pycomm allreduce_sparse: keep density must be in [0, 1] (got ", opts.keepDensity, ")");
+  checkSparseInput("allreduce_sparse", indices, nnz, count);
+  PYCOMM_CHECK_USAGE(count <= 0xffffffffull, "pycomm allreduce_sparse: at most 2^32 - 1 elements (got ",
+                     count, "); positions travel as 32-bit values");
+  const int n = comm.size();
+  const int r = comm.rank();
+  const Ownership own = segmentOwnership(segments, count, n, 1);
+  const size_t mine = own.owned[r];
+  const size_t valueBytes = elementSize(opts.valueType);
+  SparseAllreduceResult result;
+
+  // Every piece in buffer order, with its owner.
+  std::vector<std::pair<Piece, int>> ordered;
+  for (int c = 0; c < n; ++c)
+    for (const Piece& p : own.pieces[c]) ordered.push_back({p, c});
+  std::sort(ordered.begin(), ordered.end(),
+            [](const auto& a, const auto& b) { return a.first.global < b.first.global; });
+
+  // ---- phase 1: each pair to the owner of its index, at its place in the owner's space
+  std::vector<Message> toOwner(n);
+  {
+    std::vector<std::vector<uint32_t>> rel(n);
+    std::vector<std::vector<float>> vals(n);
+    size_t at = 0;
+    for (size_t j = 0; j < nnz; ++j) {
+      const size_t index = static_cast<size_t>(indices[j]);
+      while (ordered[at].first.global + ordered[at].first.length <= index) ++at;
+      const Piece& p = ordered[at].first;
+      const int c = ordered[at].second;
+      rel[c].push_back(static_cast<uint32_t>(p.local + (index - p.global)));
+      vals[c].push_back(values[j]);
+      if (residual != nullptr && opts.valueType != DataType::kFloat32)
+        residual[index] += values[j] - roundTrip(values[j], opts.valueType);
+    }
+    for (int c = 0; c < n; ++c) toOwner[c] = encode(rel[c], vals[c].data(), own.owned[c], opts.valueType);
+  }
+  std::vector<SparseHeader> headers(n);
+  std::vector<std::vector<uint8_t>> payloads(n);
+  std::vector<RequestPtr> recvs(n), sends;
+  auto checkAnnounced = [&](int peer, size_t elements) {
+    if (headers[peer].payloadBytes > elements * (valueBytes + 10) + 16)
+      throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(peer),
+                 " announced ", headers[peer].payloadBytes, " bytes for ", elements, " elements");
+    payloads[peer].resize(headers[peer].payloadBytes);
+    recvs[peer] = comm.recv(peer, payloads[peer].data(), headers[peer].payloadBytes);
+  };
+  for (int k = 1; k < n; ++k) {
+    const int peer = (r + k) % n;
+    recvs[peer] = comm.recv(peer, &headers[peer], sizeof(SparseHeader));
+  }
+  for (int k = 1; k < n; ++k) {
+    const int owner = (r + n - k) % n;
+    Message& m = toOwner[owner];
+    sends.push_back(comm.send(owner, m.bytes.data(), sizeof(SparseHeader)));
+    sends.push_back(comm.send(owner, m.payload(), m.payloadBytes()));
+    result.bytesSent += m.bytes.size();
+  }
+  for (int k = 1; k < n; ++k) {  // payload receives, as their headers land
+    const int peer = (r + k) % n;
+    comm.wait(recvs[peer]);
+    checkAnnounced(peer, mine);
+  }
+  float* sum = reinterpret_cast<float*>(comm.scratch(0, mine * sizeof(float)));
+  std::fill(sum, sum + mine, 0.0f);
+  for (int p = 0; p < n; ++p) {  // rank order: the same float sum whoever owns the chunk
+    if (p == r) {
+      accumulate(comm, p, *toOwner[r].header(), toOwner[r].payload(), mine, opts.valueType, sum);
+    } else {
+      comm.wait(recvs[p]);
+      accumulate(comm, p, headers[p], payloads[p].data(), mine, opts.valueType, sum);
+    }
+  }
+  comm.waitAll(sends);
+
+  // ---- phase 2: the owner's selection of each reduced piece to every rank
+  std::vector<uint32_t> rel;
+  std::vector<float> kept;
+  std::vector<Candidate> candidates;
+  for (const Piece& p : own.pieces[r]) {
+    const float* s = sum + p.local;
+    // The nonzero entries (at most n times the pairs sent, or the whole piece when dense).
+    candidates.clear();
+    for (size_t i = 0; i < p.length; ++i)
+      if (s[i] != 0.0f) candidates.push_back({magnitudeKey(s[i]), static_cast<uint32_t>(i)});
+    const size_t k = opts.keepDensity > 0.0 ? topkCount("allreduce_sparse", p.length, opts.keepDensity)
+                                            : candidates.size();
+    if (candidates.size() > k) {
+      // the k largest |sum| (bit-pattern order, NaN above inf), ties to the lower index
+      auto larger = [](const Candidate& a, const Candidate& b) {
+        return a.key != b.key ? a.key > b.key : a.position < b.position;
+      };
+      std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), larger);
+      candidates.resize(k);
+      std::sort(candidates.begin(), candidates.end(),
+                [](const Candidate& a, const Candidate& b) { return a.position < b.position; });
+    }
+    for (const Candidate& c : candidates) {
+      rel.push_back(static_cast<uint32_t>(p.local + c.position));
+      kept.push_back(s[c.position]);
+    }
+  }
+  Message reduced = encode(rel, kept.data(), mine, opts.valueType);
+  result.keptByOwner = rel.size();
+  size_t largest = 0;
+  for (int c = 0; c < n; ++c) largest = std::max(largest, own.owned[c]);
+  float* decoded = reinterpret_cast<float*>(comm.scratch(1, largest * sizeof(float)));
+  // Decodes owner c's message into its owned space, then into place in `out`.
+  auto place = [&](int c, const SparseHeader& h, const uint8_t* payload) {
+    std::fill(decoded, decoded + own.owned[c], 0.0f);
+    accumulate(comm, c, h, payload, own.owned[c], opts.valueType, decoded);
+    for (const Piece& p : own.pieces[c])
+      std::copy(decoded + p.local, decoded + p.local + p.length, out + p.global);
+  };
+  place(r, *reduced.header(), reduced.payload());
+  if (residual != nullptr)
+    for (const Piece& p : own.pieces[r])
+      for (size_t i = 0; i < p.length; ++i)
+        residual[p.global + i] += sum[p.local + i] - out[p.global + i];
+
+  for (int k = 1; k < n; ++k) {
+    const int owner = (r + k) % n;
+    recvs[owner] = comm.recv(owner, &headers[owner], sizeof(SparseHeader));
+  }
+  for (int k = 1; k < n; ++k) {
+    const int peer = (r + n - k) % n;
+    sends.push_back(comm.send(peer, reduced.bytes.data(), sizeof(SparseHeader)));
+    sends.push_back(comm.send(peer, reduced.payload(), reduced.payloadBytes()));
+    result.bytesSent += reduced.bytes.size();
+  }
+  for (int k = 1; k < n; ++k) {
+    const int owner = (r + k) % n;
+    comm.wait(recvs[owner]);
+    checkAnnounced(owner, own.owned[owner]);
+  }
+  for (int k = 1; k < n; ++k) {
+    const int owner = (r + k) % n;
+    comm.wait(recvs[owner]);
+    place(owner, headers[owner], payloads[owner].data());
+  }
+  comm.waitAll(sends);
+  return result;
+}
+
+}  // namespace pycomm

@@ -1,0 +1,145 @@
+// ProcessGroupPycomm's compressed collectives (algorithms/allreduce_quantized.cc,
+// allreduce_sparse.cc), used by pycomm.hooks on pycomm groups. Validation on the
+// caller's thread (usage errors raise ValueError / TypeError naming the op), then the
+// same ordered worker queue and Work/Future as every other collective.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backend/process_group.h"
+
+namespace pycomm {
+namespace {
+
+[[noreturn]] void compressedUsage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
+
+void checkFloat32(const char* op, const char* name, const at::Tensor& t) {
+  const std::string where = std::string("pycomm ") + op + ": ";
+  if (!t.defined()) compressedUsage(where + name + " is undefined");
+  if (!t.device().is_cpu())
+    compressedUsage(where + name + " must be a CPU tensor (got " + t.device().str() + ")");
+  if (t.scalar_type() != at::kFloat)
+    C10_THROW_ERROR(TypeError, where + name + " must be float32 (got " +
+                                   std::string(c10::toString(t.scalar_type())) + ")");
+  if (!t.is_contiguous()) compressedUsage(where + name + " must be contiguous");
+}
+
+void checkResidual(const char* op, const at::Tensor& residual, const at::Tensor& like) {
+  if (!residual.defined()) return;
+  checkFloat32(op, "residual", residual);
+  if (residual.numel() != like.numel())
+    compressedUsage(std::string("pycomm ") + op + ": residual has " +
+                    std::to_string(residual.numel()) + " elements, expected " +
+                    std::to_string(like.numel()));
+  if (residual.is_same(like) || residual.data_ptr() == like.data_ptr())
+    compressedUsage(std::string("pycomm ") + op + ": residual must not share memory with the data");
+}
+
+CallSignature compressedSignature(const char* op, int64_t count, int32_t detail) {
+  CallSignature sig;
+  std::strncpy(sig.op, op, sizeof(sig.op) - 1);
+  sig.dtype = static_cast<int32_t>(DataType::kFloat32);
+  sig.count = count;
+  sig.root = detail;  // the codec setting, compared across ranks like a root
+  return sig;
+}
+
+float* dataOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+std::vector<size_t> checkSegments(const char* op, const std::vector<int64_t>& segments, int64_t count) {
+  std::vector<size_t> lengths;
+  int64_t total = 0;
+  for (int64_t s : segments) {
+    if (s < 0) compressedUsage(std::string("pycomm ") + op + ": segment lengths must be >= 0");
+    total += s;
+    lengths.push_back(static_cast<size_t>(s));
+  }
+  if (!segments.empty() && total != count)
+    compressedUsage(std::string("pycomm ") + op + ": segments sum to " + std::to_string(total) +
+                    " elements but the tensor has " + std::to_string(count));
+  return lengths;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
+    at::Tensor tensor, at::Tensor residual, std::vector<int64_t> segments, std::vector<int64_t> keys,
+    int bits, int64_t block, bool stochastic, int64_t seed, bool asyncOp) {
+  const char* op = "allreduce_quantized";
+  checkFloat32(op, "tensor", tensor);
+  checkResidual(op, residual, tensor);
+  std::vector<size_t> lengths = checkSegments(op, segments, tensor.numel());
+  if (!keys.empty() && keys.size() != std::max<size_t>(segments.size(), 1))
+    compressedUsage(std::string("pycomm ") + op + ": " + std::to_string(keys.size()) +
+                    " keys for " + std::to_string(segments.size()) + " segments");
+  std::vector<uint64_t> segmentKeys(keys.begin(), keys.end());
+  if (block < 1)
+    compressedUsage(std::string("pycomm ") + op + ": block must be >= 1 (got " + std::to_string(block) + ")");
+  if (seed < 0) compressedUsage(std::string("pycomm ") + op + ": seed must be >= 0");
+  QuantizeOptions opts;
+  opts.bits = bits;
+  opts.block = static_cast<size_t>(block);
+  opts.stochastic = stochastic;
+  opts.seed = static_cast<uint64_t>(seed);
+  try {
+    checkQuantizeOptions(op, opts.bits, opts.block);
+  } catch (const Error& e) {
+    compressedUsage(e.what());
+  }
+  return enqueue(op, c10d::OpType::ALLREDUCE, {tensor},
+                 [tensor, residual, lengths, segmentKeys, opts](Comm& c) {
+                   c.setAlgorithm(strCat(opts.bits, "-bit"));
+                   allreduceQuantized(c, tensor.data_ptr<float>(), static_cast<size_t>(tensor.numel()),
+                                      lengths, segmentKeys, opts, dataOrNull(residual));
+                 },
+                 c10d::kUnsetTimeout, asyncOp,
+                 compressedSignature(op, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
+    at::Tensor indices, at::Tensor values, at::Tensor out, at::Tensor residual,
+    std::vector<int64_t> segments, const std::string& valueType, double keepDensity, bool asyncOp) {
+  const char* op = "allreduce_sparse";
+  const std::string where = std::string("pycomm ") + op + ": ";
+  checkFloat32(op, "values", values);
+  checkFloat32(op, "out", out);
+  checkResidual(op, residual, out);
+  if (!indices.defined() || !indices.device().is_cpu() || indices.scalar_type() != at::kLong ||
+      !indices.is_contiguous())
+    compressedUsage(where + "indices must be a contiguous CPU int64 tensor");
+  if (indices.numel() != values.numel())
+    compressedUsage(where + "indices and values differ in length (" + std::to_string(indices.numel()) +
+                    " and " + std::to_string(values.numel()) + ")");
+  if (out.data_ptr() == values.data_ptr() && out.numel() > 0)
+    compressedUsage(where + "out must not share memory with values");
+  SparseAllreduceOptions opts;
+  if (valueType == "float32") opts.valueType = DataType::kFloat32;
+  else if (valueType == "float16") opts.valueType = DataType::kFloat16;
+  else if (valueType == "bfloat16") opts.valueType = DataType::kBFloat16;
+  else compressedUsage(where + "value_dtype must be float32, float16 or bfloat16 (got " + valueType + ")");
+  if (!(keepDensity >= 0.0 && keepDensity <= 1.0))
+    compressedUsage(where + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
+  opts.keepDensity = keepDensity;
+  std::vector<size_t> lengths = checkSegments(op, segments, out.numel());
+  try {
+    checkSparseInput(op, indices.data_ptr<int64_t>(), static_cast<size_t>(indices.numel()),
+                     static_cast<size_t>(out.numel()));
+  } catch (const Error& e) {
+    compressedUsage(e.what());
+  }
+  return enqueue(op, c10d::OpType::ALLREDUCE, {out},
+                 [indices, values, out, residual, lengths, opts](Comm& c) {
+                   c.setAlgorithm("sparse");
+                   allreduceSparse(c, indices.data_ptr<int64_t>(), values.data_ptr<float>(),
+                                   static_cast<size_t>(indices.numel()),
+                                   static_cast<size_t>(out.numel()), lengths, out.data_ptr<float>(),
+                                   dataOrNull(residual), opts);
+                 },
+                 c10d::kUnsetTimeout, asyncOp,
+                 compressedSignature(op, out.numel(), static_cast<int32_t>(opts.valueType)));
+}
+
+}  // namespace pycomm
