@@ -83,6 +83,8 @@ class ShmArena {
   size_t slotsOffset_ = 0;
   uint64_t nextSegment_ = 0;
   std::chrono::nanoseconds spin_;
+  bool oversubscribed_ = false;
+  static constexpr int kYieldMicros = 200;
   std::function<std::string(int)> namer_;
 };
 
