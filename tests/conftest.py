@@ -19,3 +19,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _dev_shm_leftovers():
+    """pycomm segments in /dev/shm whose creating process is gone (names carry its pid)."""
+    import os
+
+    found = []
+    if not os.path.isdir("/dev/shm"):
+        return found
+    for name in os.listdir("/dev/shm"):
+        if not name.startswith("pycomm-"):
+            continue
+        try:
+            os.kill(int(name.split("-")[1]), 0)
+        except (ProcessLookupError, ValueError):
+            found.append(name)
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """/dev/shm must be clean after the suite: pycomm unlinks its segments as soon as
+    every local rank mapped them, so none may outlive its creator."""
+    left = _dev_shm_leftovers()
+    if left:
+        print(f"\npycomm segments left in /dev/shm by exited processes: {left}")
+        session.exitstatus = 1
