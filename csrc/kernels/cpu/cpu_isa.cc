@@ -1,6 +1,23 @@
 #include "kernels/cpu/cpu_isa.h"
 
+#ifdef PYCOMM_X86_DISPATCH
+#include <cpuid.h>
+#endif
+
 namespace pycomm {
+
+#ifdef PYCOMM_X86_DISPATCH
+namespace {
+
+// F16C from CPUID leaf 1 (ECX bit 29): not every compiler's __builtin_cpu_supports
+// knows "f16c". The AVX register state it needs is checked with avx2 below.
+bool hasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
+
+}  // namespace
+#endif
 
 const char* cpuIsaName(CpuIsa isa) {
   switch (isa) {
@@ -17,7 +34,7 @@ bool cpuSupports(CpuIsa isa) {
       return true;
     case CpuIsa::kAvx2: {
 #ifdef PYCOMM_X86_DISPATCH
-      static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+      static const bool yes = __builtin_cpu_supports("avx2") && hasF16c();
       return yes;
 #else
       return false;
