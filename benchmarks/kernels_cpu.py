@@ -5,8 +5,16 @@
   * 8-bit block quantize + dequantize (block 256): GB/s of float32 input
     (4 * n bytes / (t_quantize + t_dequantize)), output buffers reused, and
     the same round trip written in torch ops for comparison.
-Every figure is checked in the same pass. Usage: python benchmarks/kernels_cpu.py
+  * element-wise reduction dst = op(dst, src) (kernels/cpu/reduce.h, what the
+    all-reduce algorithms run on every received segment): GB/s = bytes of one
+    operand / median time, per dtype and op, for every instruction set this CPU
+    supports (kernels.set_cpu_isa forces one), at 64 MiB per operand (memory
+    bound) and 1 MiB (cache resident; includes ~2 us of Python call overhead),
+    next to single-thread memcpy (torch copy_) of the same byte count.
+Every figure is checked in the same pass (the reduction exactly against torch).
+Usage: python benchmarks/kernels_cpu.py [--only compression|reduce]
 """
+import argparse
 import statistics
 import time
 
@@ -33,8 +41,77 @@ def torch_quant_roundtrip(x, block):
     return (codes.float() * scale).view(-1)
 
 
-def main():
-    torch.set_num_threads(1)
+REDUCE_CASES = [
+    # (dtype, ops)
+    (torch.float32, ("sum", "min", "max", "product")),
+    (torch.bfloat16, ("sum", "min", "max", "product")),
+    (torch.float16, ("sum", "min", "max", "product")),
+    (torch.float64, ("sum", "max")),
+    (torch.int32, ("sum", "max")),
+    (torch.int64, ("sum",)),
+    (torch.int8, ("sum",)),
+]
+
+TORCH_OPS = {
+    "sum": torch.add,
+    "product": torch.mul,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
+
+
+def reduce_operands(dtype, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        # In [0.9, 1.1): a running sum or product stays finite and normal over the
+        # timed iterations (no overflow, no subnormals slowing the timed loop).
+        return (torch.rand(count, generator=g, dtype=torch.float32) * 0.2 + 0.9).to(dtype)
+    return torch.randint(-100, 100, (count,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def reduce_rows(nbytes, isas, iters):
+    """GB/s (bytes of one operand / median time) of dst = op(dst, src) per ISA."""
+    rows = []
+    for dtype, ops in REDUCE_CASES:
+        count = nbytes // torch.empty((), dtype=dtype).element_size()
+        a = reduce_operands(dtype, count, 1)
+        b = reduce_operands(dtype, count, 2)
+        dst = a.clone()
+        for op in ops:
+            want = TORCH_OPS[op](a, b)
+            cells = []
+            for isa in isas:
+                K.set_cpu_isa(isa)
+                dst.copy_(a)
+                K.reduce(dst, b, op)
+                assert torch.equal(dst, want), (dtype, op, isa)
+                # Timed on the running result: values stay finite for these ops over a few
+                # iterations, and the kernel's speed does not depend on them.
+                t = median_time(lambda: K.reduce(dst, b, op), iters=iters)
+                cells.append(nbytes / t / 1e9)
+            rows.append((str(dtype).replace("torch.", ""), op, cells))
+    K.set_cpu_isa("auto")
+    return rows
+
+
+def print_reduce(isas):
+    print(f"element-wise reduce dst = op(dst, src), 1 thread, GB/s of one operand "
+          f"(ISAs this CPU supports: {', '.join(isas)}; auto picks {K.cpu_isa()})")
+    for nbytes, iters in ((64 << 20, 5), (1 << 20, 51)):
+        memcpy_src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        memcpy_dst = torch.empty_like(memcpy_src)
+        memcpy_gbs = nbytes / median_time(lambda: memcpy_dst.copy_(memcpy_src), iters=iters) / 1e9
+        rows = reduce_rows(nbytes, isas, iters)
+        print()
+        head = f"{nbytes >> 20} MiB per operand"
+        print(f"{head:<28}" + "".join(f"{isa:>9}" for isa in isas) + f"{'best/memcpy':>13}")
+        for dtype, op, cells in rows:
+            print(f"{dtype + ' ' + op:<28}" + "".join(f"{c:>9.2f}" for c in cells)
+                  + f"{max(cells) / memcpy_gbs:>12.2f}x")
+        print(f"{'memcpy (copy_)':<28}{memcpy_gbs:>9.2f}")
+
+
+def print_compression():
     n, density, block = 16 * 1024 * 1024, 0.01, 256
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     k = K.topk_count(n, density)
@@ -86,6 +163,20 @@ def main():
     ok_q = gbs(t_q + t_d) >= 2
     print(f"target approx top-k >= 5x torch.topk: {'met' if ok_topk else 'NOT met'}; "
           f"target 8-bit q+dq >= 2 GB/s: {'met' if ok_q else 'NOT met'}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("compression", "reduce"), default=None,
+                        help="run one of the two sections (default: both)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.only != "reduce":
+        print_compression()
+    if args.only is None:
+        print()
+    if args.only != "compression":
+        print_reduce(K.cpu_isas())
 
 
 if __name__ == "__main__":

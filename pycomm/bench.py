@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -32,7 +33,9 @@ import os
 import pickle
 import platform
 import re
+import shutil
 import socket
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -50,13 +53,16 @@ __all__ = [
     "alg_bandwidth",
     "bus_bandwidth",
     "format_size",
+    "join_mpi",
     "launch_workers",
     "main",
     "memcpy_bandwidth",
+    "mpi_unavailable_reason",
     "parse_args",
     "parse_size",
     "run_benchmark",
     "size_sweep",
+    "write_plot",
 ]
 
 _PREFIX = "pycomm bench:"
@@ -259,6 +265,8 @@ class BenchConfig:
     json_path: Optional[str] = None
     timeout_s: float = 300.0
     quiet: bool = False
+    plot_path: Optional[str] = None
+    mpi: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` (message prefixed ``pycomm bench:``) on a bad setting."""
@@ -280,6 +288,18 @@ class BenchConfig:
             raise ValueError(f"{_PREFIX} --algos names an algorithm twice: {','.join(self.algos)}")
         if self.timeout_s <= 0:
             raise ValueError(f"{_PREFIX} --timeout must be positive")
+        if self.plot_path is not None and not self.plot_path.lower().endswith(".png"):
+            raise ValueError(f"{_PREFIX} --plot writes a PNG: give a path ending in .png "
+                             f"(got {self.plot_path!r})")
+        if self.mpi:
+            from pycomm.bench_mpi import MPI_DTYPES, MPI_OPS
+
+            if self.dtype not in MPI_DTYPES:
+                raise ValueError(f"{_PREFIX} --mpi: MPI has no {self.dtype} datatype "
+                                 f"(use one of {', '.join(MPI_DTYPES)})")
+            if self.op not in MPI_OPS:
+                raise ValueError(f"{_PREFIX} --mpi: MPI has no {self.op} reduction "
+                                 "(use sum, min, max or product)")
         size_sweep(self.min_bytes, self.max_bytes, self.step_factor)
 
 
@@ -843,6 +863,15 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
     if set. Returns the result (the same on every rank under torchrun).
     """
     cfg.validate()
+    if cfg.mpi:
+        if _torchrun_env() is not None:
+            raise RuntimeError(f"{_PREFIX} --mpi starts its own mpirun on this host; "
+                               "run pycomm-bench -n N --mpi outside torchrun")
+        reason = mpi_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"{_PREFIX} --mpi: {reason}")
+    if cfg.plot_path:
+        _import_pyplot()  # fail before the sweep, not after it
     if "pycomm" in (cfg.backend, cfg.peer) and _torchrun_env() is None:
         _import_pycomm()  # fail here, once, rather than in every spawned rank
     if cfg.check:
@@ -850,13 +879,198 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
         world = _torchrun_env()[1] if _torchrun_env() else cfg.nprocs
         _pattern_period(DTYPES[cfg.dtype], "product" if cfg.op == "prod" else cfg.op, world)
     result = launch_workers(_bench_worker, cfg.nprocs, cfg)
+    if cfg.mpi:
+        result = join_mpi(result, _run_mpi_sweep(cfg, result.meta["world_size"]))
+        if not cfg.quiet:
+            _print_peers(result)
     env = _torchrun_env()
-    if cfg.json_path and (env is None or env[0] == 0):
-        directory = os.path.dirname(os.path.abspath(cfg.json_path))
-        os.makedirs(directory, exist_ok=True)
-        with open(cfg.json_path, "w") as handle:
-            json.dump(result.to_json(), handle, indent=1)
+    if env is None or env[0] == 0:
+        if cfg.json_path:
+            directory = os.path.dirname(os.path.abspath(cfg.json_path))
+            os.makedirs(directory, exist_ok=True)
+            with open(cfg.json_path, "w") as handle:
+                json.dump(result.to_json(), handle, indent=1)
+        if cfg.plot_path:
+            write_plot(result, cfg.plot_path)
+            if not cfg.quiet:
+                print(f"# plot: {cfg.plot_path}", flush=True)
     return result
+
+
+# ---------------------------------------------------------------------------
+# Open MPI as a third peer (--mpi) and the plot (--plot)
+# ---------------------------------------------------------------------------
+
+def mpi_unavailable_reason() -> Optional[str]:
+    """Why ``--mpi`` cannot run here (no mpirun, no mpi4py), or None when it can."""
+    missing = []
+    if shutil.which("mpirun") is None:
+        missing.append("mpirun (Debian: apt-get install openmpi-bin libopenmpi-dev)")
+    if importlib.util.find_spec("mpi4py") is None:
+        missing.append("mpi4py (pip install mpi4py, after the MPI library)")
+    return ("needs " + " and ".join(missing)) if missing else None
+
+
+def _mpi_command(cfg: BenchConfig, world_size: int, json_path: str) -> List[str]:
+    cmd = [shutil.which("mpirun") or "mpirun"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["--oversubscribe", "-np", str(world_size), sys.executable, "-m", "pycomm.bench_mpi",
+            "-b", str(cfg.min_bytes), "-e", str(cfg.max_bytes), "-f", str(cfg.step_factor),
+            "--iters", str(cfg.iters), "--warmup", str(cfg.warmup), "--dtype", cfg.dtype,
+            "--op", cfg.op, "--check" if cfg.check else "--no-check", "--quiet",
+            "--json", json_path]
+    return cmd
+
+
+def _run_mpi_sweep(cfg: BenchConfig, world_size: int) -> BenchResult:
+    """The same sweep through Open MPI (pycomm.bench_mpi under mpirun), right after ours."""
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="pycomm-bench-mpi-") as tmpdir:
+        json_path = os.path.join(tmpdir, "mpi.json")
+        cmd = _mpi_command(cfg, world_size, json_path)
+        # Every size is bounded by cfg.timeout_s in our sweep; give MPI's the same per size.
+        limit = cfg.timeout_s * (len(size_sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor)) + 1)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{_PREFIX} --mpi: the MPI sweep did not finish in {limit:.0f} s: "
+                               f"{' '.join(cmd)}") from None
+        if proc.returncode != 0 or not os.path.exists(json_path):
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-8:]
+            raise RuntimeError(f"{_PREFIX} --mpi: {' '.join(cmd)} exited with code "
+                               f"{proc.returncode}:\n" + "\n".join(tail))
+        with open(json_path) as handle:
+            data = json.load(handle)
+    data["meta"]["command"] = " ".join(cmd[:cmd.index(sys.executable)] + ["python"]
+                                       + cmd[cmd.index(sys.executable) + 1:-2])
+    return BenchResult(meta=data["meta"], rows=data["rows"], ok=data["ok"])
+
+
+def join_mpi(result: BenchResult, mpi: BenchResult) -> BenchResult:
+    """``result`` with MPI's rows added (name "mpi") and, on each tested row of the same
+    size, ``vs_mpi`` = busbw / MPI's busbw; ``meta["mpi"]`` holds MPI's metadata."""
+    mpi_bw = {row["size_bytes"]: row["busbw_gbps"] for row in mpi.rows}
+    rows = []
+    for row in result.rows:
+        row = dict(row)
+        if not row["peer"]:
+            peer_bw = mpi_bw.get(row["size_bytes"])
+            row["vs_mpi"] = (row["busbw_gbps"] / peer_bw
+                             if peer_bw and row["busbw_gbps"] is not None else None)
+        rows.append(row)
+    rows += [dict(row) for row in mpi.rows]
+    rows.sort(key=lambda row: row["size_bytes"])  # stable: each size keeps its column order
+    meta = dict(result.meta, mpi=mpi.meta)
+    return BenchResult(meta=meta, rows=rows, ok=result.ok and mpi.ok)
+
+
+def _column_names(rows: List[Dict[str, Any]]) -> List[str]:
+    names: List[str] = []
+    for row in rows:
+        if row["name"] not in names:
+            names.append(row["name"])
+    return names
+
+
+def _print_peers(result: BenchResult) -> None:
+    """One table with every column and peer: time and busbw side by side, then the ratios."""
+    rows = result.rows
+    names = _column_names(rows)
+    tested = [name for name in names
+              if not next(row for row in rows if row["name"] == name)["peer"]]
+    peers = [name for name in names if name not in tested]
+    mpi_meta = result.meta.get("mpi", {})
+    print("#")
+    print(f"# all peers, one run: pycomm {','.join(tested)} and "
+          f"{', '.join(p for p in peers if p != 'mpi')} in the same processes; mpi = "
+          f"{mpi_meta.get('mpi_library', 'MPI').split(',')[0]} ({mpi_meta.get('command', 'mpirun')}),"
+          " right after")
+    print(f"# memcpy 1 thread: {result.meta['memcpy_gbps']:.2f} GB/s (this sweep), "
+          f"{mpi_meta.get('memcpy_gbps', float('nan')):.2f} GB/s (MPI sweep)")
+    width = 9
+    head = f"#{'':>12}" + f" {'time (us)':^{(width + 1) * len(names) - 1}}"
+    head += f" {'busbw (GB/s)':^{(width + 1) * len(names) - 1}}"
+    head += f" {'best pycomm busbw /':^{(width + 1) * len(peers) - 1}}"
+    print(head)
+    sub = f"#{'size(B)':>12}" + "".join(f" {name[:width]:>{width}}" for name in names) * 2
+    sub += "".join(f" {name[:width]:>{width}}" for name in peers)
+    print(sub)
+    for nbytes in sorted({row["size_bytes"] for row in rows}):
+        at = {row["name"]: row for row in rows if row["size_bytes"] == nbytes}
+        line = f" {nbytes:>12}"
+        line += "".join(f" {_fmt(at[n]['time_us'] if n in at else None, width, 1)}" for n in names)
+        line += "".join(f" {_fmt(at[n]['busbw_gbps'] if n in at else None, width, 3)}"
+                        for n in names)
+        best = max((at[n]["busbw_gbps"] for n in tested
+                    if n in at and at[n]["busbw_gbps"] is not None), default=None)
+        for peer in peers:
+            peer_bw = at[peer]["busbw_gbps"] if peer in at else None
+            line += f" {_fmt(best / peer_bw if best and peer_bw else None, width)}"
+        print(line)
+    print(f"# check: {'OK' if result.ok else 'FAIL'} (pycomm and MPI results against the closed form)",
+          flush=True)
+
+
+def _import_pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError(f"{_PREFIX} --plot needs matplotlib (pip install matplotlib): {exc}") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plot(result: BenchResult, path: str) -> None:
+    """PNG of busbw vs message size (log x), one line per column (pycomm algorithms, gloo,
+    MPI, ...), the machine's single-thread memcpy as a horizontal line; a second panel
+    shows the median time (log-log) for the small-message end."""
+    plt = _import_pyplot()
+    meta, rows = result.meta, result.rows
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5.2))
+    for name in _column_names(rows):
+        mine = [row for row in rows if row["name"] == name and row["busbw_gbps"] is not None]
+        if not mine:
+            continue
+        first = mine[0]
+        if first["backend"] == "pycomm":
+            label, style = f"pycomm {name}" + (" (auto)" if name == "auto" else ""), "-o"
+        else:
+            label = {"openmpi": "Open MPI", "gloo": "gloo"}.get(first["backend"], first["backend"])
+            style = "--s"
+        sizes = [row["size_bytes"] for row in mine]
+        ax_bw.plot(sizes, [row["busbw_gbps"] for row in mine], style, label=label, markersize=4)
+        ax_t.plot(sizes, [row["time_us"] for row in mine], style, label=label, markersize=4)
+    memcpy = meta.get("memcpy_gbps")
+    if memcpy:
+        ax_bw.axhline(memcpy, color="black", linestyle=":", linewidth=1.2,
+                      label=f"memcpy, 1 thread ({memcpy:.1f} GB/s)")
+    for ax in (ax_bw, ax_t):
+        ax.set_xscale("log", base=2)
+        sizes = sorted({row["size_bytes"] for row in rows})
+        ticks = sizes if len(sizes) <= 14 else sizes[::2]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([format_size(size).replace(" ", "") for size in ticks], rotation=45,
+                           fontsize=8)
+        ax.set_xlabel("message size per rank")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_bw.set_ylabel("busbw (GB/s) = S/t x 2(n-1)/n")
+    ax_bw.set_ylim(bottom=0)
+    ax_bw.legend(fontsize=8)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time (us), median of the slowest rank")
+    fig.suptitle(f"all-reduce {meta.get('op', '')} {meta.get('dtype', '')}, "
+                 f"{meta.get('world_size', '?')} ranks on {meta.get('hostname', '?')} "
+                 f"({meta.get('date', '')})")
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -899,6 +1113,13 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="write metadata and one row per (size, algorithm) to this JSON file")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds before a collective is declared hung")
+    parser.add_argument("--plot", dest="plot_path", metavar="PATH.png", default=None,
+                        help="write a PNG of busbw (and time) vs message size, one line per "
+                             "algorithm / peer, memcpy as a reference line (needs matplotlib)")
+    parser.add_argument("--mpi", action="store_true",
+                        help="after the sweep, run the same sweep through Open MPI (mpirun + "
+                             "mpi4py, python -m pycomm.bench_mpi) and print one table with every "
+                             "peer; its rows go to --json and --plot too")
     return parser
 
 
@@ -923,6 +1144,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         check=args.check,
         json_path=args.json_path,
         timeout_s=args.timeout,
+        plot_path=args.plot_path,
+        mpi=args.mpi,
     )
     try:
         cfg.validate()

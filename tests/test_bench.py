@@ -7,8 +7,10 @@ each with a hard ``timeout=``: a hang fails the test instead of stalling it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,10 @@ from pycomm import bench
 _PACKAGE_ROOT = str(Path(bench.__file__).resolve().parent.parent)
 _HAS_BACKEND = hasattr(pycomm, "set_algorithm")
 requires_backend = pytest.mark.skipif(not _HAS_BACKEND, reason="pycomm extension not built")
+_MPI_MISSING = bench.mpi_unavailable_reason()
+requires_mpi = pytest.mark.skipif(
+    _MPI_MISSING is not None,
+    reason=f"Open MPI peer not installed: {_MPI_MISSING} (see benchmarks/README.md)")
 
 # Wall-clock limits for the subprocess runs (generous: 2 cores, shared).
 _CLI_TIMEOUT_S = 240
@@ -178,7 +184,8 @@ def test_parse_args():
 
 
 @pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
-                                  ["-n", "0"]])
+                                  ["-n", "0"], ["--plot", "out.jpg"],
+                                  ["--mpi", "--dtype", "bfloat16"], ["--mpi", "--op", "avg"]])
 def test_cli_usage_errors(args, tmp_path):
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=60)
     assert proc.returncode == 2, _describe(proc)
@@ -212,17 +219,136 @@ def _assert_sweep(rows, names, sizes, peer_name):
                     row["busbw_gbps"] / at_size[peer_name]["busbw_gbps"])
 
 
+def _png_size(path: Path):
+    """(width, height) from a PNG's IHDR chunk; fails on anything that is not a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
 @requires_backend
 def test_cli_pycomm_vs_gloo(tmp_path):
     out = tmp_path / "out.json"
+    plot = tmp_path / "plots" / "out.png"
     args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
-            "--json", str(out)]
+            "--json", str(out), "--plot", str(plot)]
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     assert meta["world_size"] == 2 and meta["backend"] == "pycomm" and meta["memcpy_gbps"] > 0
     _assert_sweep(rows, ["ring", "tree", "sharded"], [8, 64, 512, 4096, 32768, 65536], "gloo")
     assert "memcpy" in proc.stdout and "busbw" in proc.stdout and "# check: OK" in proc.stdout
+    # --plot adds a PNG and nothing else: the JSON has exactly the rows above, no MPI.
+    assert all("vs_mpi" not in row for row in rows) and "mpi" not in meta
+    assert _png_size(plot) == (1430, 572) and plot.stat().st_size > 20_000
+    assert f"# plot: {plot}" in proc.stdout
+
+
+def _synthetic_result(with_mpi=True):
+    sizes = [8, 1024, 2 ** 20]
+    rows = []
+    for size in sizes:
+        for name, backend, peer, t_us in (("ring", "pycomm", False, 100.0), ("tree", "pycomm", False, 80.0),
+                                          ("gloo", "gloo", True, 300.0)):
+            t = t_us * 1e-6 * (1 + size / 2 ** 16)
+            algbw = bench.alg_bandwidth(size, t)
+            rows.append({"size_bytes": size, "name": name, "backend": backend, "peer": peer,
+                         "time_us": t * 1e6, "algbw_gbps": algbw,
+                         "busbw_gbps": bench.bus_bandwidth(algbw, 2), "check": "OK"})
+    meta = {"op": "sum", "dtype": "float32", "world_size": 2, "hostname": "h", "date": "d",
+            "memcpy_gbps": 10.0}
+    result = bench.BenchResult(meta=meta, rows=rows, ok=True)
+    if not with_mpi:
+        return result
+    mpi_rows = [{"size_bytes": size, "name": "mpi", "backend": "openmpi", "peer": True,
+                 "time_us": 20.0 * (1 + size / 2 ** 16), "check": "OK",
+                 "algbw_gbps": size / (20e-6 * (1 + size / 2 ** 16)) / 1e9} for size in sizes]
+    for row in mpi_rows:
+        row["busbw_gbps"] = row["algbw_gbps"]
+    return bench.join_mpi(result, bench.BenchResult(meta={"mpi_library": "Open MPI"},
+                                                    rows=mpi_rows, ok=True))
+
+
+def test_join_mpi_adds_rows_and_ratios():
+    joined = _synthetic_result()
+    assert joined.ok and joined.meta["mpi"] == {"mpi_library": "Open MPI"}
+    assert [row["size_bytes"] for row in joined.rows] == sorted(row["size_bytes"] for row in joined.rows)
+    for size in (8, 1024, 2 ** 20):
+        at = {row["name"]: row for row in joined.rows if row["size_bytes"] == size}
+        assert list(at) == ["ring", "tree", "gloo", "mpi"]  # column order kept within a size
+        for name in ("ring", "tree"):
+            assert at[name]["vs_mpi"] == pytest.approx(at[name]["busbw_gbps"] / at["mpi"]["busbw_gbps"])
+        assert "vs_mpi" not in at["gloo"] and "vs_mpi" not in at["mpi"]
+    failed = bench.join_mpi(_synthetic_result(False), bench.BenchResult(meta={}, rows=[], ok=False))
+    assert not failed.ok
+
+
+def test_write_plot_is_a_png_and_leaves_the_result_alone(tmp_path):
+    result = _synthetic_result()
+    before = copy.deepcopy(result.to_json())
+    path = tmp_path / "sub" / "peers.png"
+    bench.write_plot(result, str(path))
+    assert result.to_json() == before
+    assert _png_size(path) == (1430, 572) and 20_000 < path.stat().st_size < 2_000_000
+
+
+def test_mpi_missing_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    assert "mpirun (Debian: apt-get install openmpi-bin" in bench.mpi_unavailable_reason()
+    assert bench.main(["-n", "2", "--mpi", "-e", "64"]) == 1
+    assert "pycomm bench: --mpi: needs mpirun" in capsys.readouterr().err
+
+
+@requires_mpi
+@requires_backend
+def test_cli_mpi_peer_in_one_table(tmp_path):
+    out = tmp_path / "peers.json"
+    plot = tmp_path / "peers.png"
+    args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
+            "--algos", "ring", "--mpi", "--json", str(out), "--plot", str(plot)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    meta, rows = _load_rows(out)
+    sizes = [8, 64, 512, 4096, 32768, 65536]
+    assert meta["mpi"]["world_size"] == 2 and "Open MPI" in meta["mpi"]["mpi_library"]
+    mpi_rows = [row for row in rows if row["name"] == "mpi"]
+    assert [row["size_bytes"] for row in mpi_rows] == sizes
+    for row in mpi_rows:
+        assert row["check"] == "OK" and row["backend"] == "openmpi" and row["time_us"] > 0
+        assert row["busbw_gbps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
+        ring = next(r for r in rows if r["name"] == "ring" and r["size_bytes"] == row["size_bytes"])
+        assert ring["vs_mpi"] == pytest.approx(ring["busbw_gbps"] / row["busbw_gbps"])
+    _assert_sweep([row for row in rows if row["name"] != "mpi"], ["ring"], sizes, "gloo")
+    assert "# all peers, one run" in proc.stdout and "# check: OK (pycomm and MPI" in proc.stdout
+    table = proc.stdout.split("# all peers, one run")[1].splitlines()
+    assert table[3].split() == ["#", "size(B)"] + ["ring", "gloo", "mpi"] * 2 + ["gloo", "mpi"]
+    assert len([line for line in table if line.startswith(" ")]) == len(sizes)
+    assert _png_size(plot) == (1430, 572)
+
+
+@requires_mpi
+def test_mpi_script_under_mpirun(tmp_path):
+    """benchmarks/mpi_allreduce.py as documented: mpirun -np 3, int32 max, JSON rows."""
+    out = tmp_path / "mpi.json"
+    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "mpi_allreduce.py")
+    cmd = ["mpirun", "--oversubscribe", "-np", "3", sys.executable, script, "-b", "4", "-e", "4K",
+           "-f", "32", "--iters", "2", "--warmup", "0", "--dtype", "int32", "--op", "max",
+           "--json", str(out)]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} hung: {exc.stdout}\n{exc.stderr}", pytrace=False)
+    assert proc.returncode == 0, _describe(proc)
+    data = json.loads(out.read_text())
+    assert data["ok"] and data["meta"]["world_size"] == 3 and data["meta"]["op"] == "max"
+    assert [row["size_bytes"] for row in data["rows"]] == [4, 128, 4096]
+    for row in data["rows"]:
+        assert row["check"] == "OK" and row["name"] == "mpi"
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * 2 / 3)
+    assert "# check: OK" in proc.stdout
 
 
 @requires_backend
@@ -236,7 +362,8 @@ def test_cli_auto_int32_max(tmp_path):
     assert sorted({row["size_bytes"] for row in rows}) == [1024, 32768, 1048576]
     auto_rows = [row for row in rows if row["name"] == "auto"]
     assert len(auto_rows) == 3
-    assert all(row["selected"] in ("ring", "tree", "sharded") for row in auto_rows), auto_rows
+    # one host: auto takes the shared-memory path (the TCP algorithms with PYCOMM_TRANSPORT=tcp)
+    assert all(row["selected"] in ("ring", "tree", "sharded", "shm") for row in auto_rows), auto_rows
     assert all(row["check"] == "OK" for row in rows), rows
 
 

@@ -388,7 +388,7 @@ def test_cpu_kernels_build_without_torch(tmp_path):
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++ on PATH")
-    for name in ("topk.cc", "quantize.cc"):
+    for name in ("topk.cc", "quantize.cc", "reduce.cc", "cpu_isa.cc"):
         src = os.path.join(ROOT, "csrc", "kernels", "cpu", name)
         subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
                         "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", str(tmp_path / (name + ".o"))],

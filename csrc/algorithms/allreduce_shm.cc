@@ -53,8 +53,8 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
       bytesIn += bytes;
       bytesOut += bytes;
     } else if (bytes <= arena.slotBytes() / kReduceAllDivisor) {
-      std::memcpy(mine, arena.slot(0, g), bytes);
-      for (int j = 1; j < n; ++j) reduceInto(mine, arena.slot(j, g), elems, dtype, op);
+      reduceInto(mine, arena.slot(0, g), arena.slot(1, g), elems, dtype, op);
+      for (int j = 2; j < n; ++j) reduceInto(mine, arena.slot(j, g), elems, dtype, op);
       bytesIn += (n - 1) * bytes;
       bytesOut += (n - 1) * bytes;
     } else {

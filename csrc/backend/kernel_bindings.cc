@@ -13,10 +13,13 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "backend/cuda_kernels.h"
 #include "backend/tensor_types.h"
 #include "common/error.h"
+#include "common/reduce_op.h"
+#include "backend/tensor_types.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/reduce.h"
 #include "kernels/cpu/topk.h"
@@ -338,6 +341,54 @@ at::Tensor divideTensor(at::Tensor& t, int64_t divisor) {
   });
 }
 
+void checkReduceTensor(const char* name, const at::Tensor& t, const at::Tensor& like) {
+  if (t.device().type() != at::kCPU)
+    raiseUsage(std::string("pycomm reduce: ") + name + " must be a CPU tensor (got " +
+               t.device().str() + ")");
+  if (!t.is_contiguous()) raiseUsage(std::string("pycomm reduce: ") + name + " must be contiguous");
+  if (t.scalar_type() != like.scalar_type())
+    throw py::type_error(std::string("pycomm reduce: ") + name + " is " +
+                         dataTypeName(toDataType("reduce", t.scalar_type())) + ", the output is " +
+                         dataTypeName(toDataType("reduce", like.scalar_type())));
+  if (t.numel() != like.numel())
+    raiseUsage(std::string("pycomm reduce: ") + name + " has " + std::to_string(t.numel()) +
+               " elements, the output has " + std::to_string(like.numel()));
+}
+
+// out = op(a, b); out may be a or b itself (the three-operand reduceInto).
+void reduceIntoTensor(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
+                      const std::string& opName) {
+  const ReduceOp op = reduceOpNamed(opName);
+  checkReduceTensor("out", out, out);
+  checkReduceTensor("a", a, out);
+  checkReduceTensor("b", b, out);
+  const DataType dtype = toDataType("reduce", out.scalar_type());
+  translate([&] { checkReduceSupported("reduce", op, dtype); });
+  const char* o = static_cast<const char*>(out.data_ptr());
+  for (const at::Tensor* t : {&a, &b}) {
+    const char* p = static_cast<const char*>(t->data_ptr());
+    if (p != o && p < o + out.nbytes() && o < p + t->nbytes())
+      raiseUsage("pycomm reduce: out partially overlaps an operand (it may only be one of them)");
+  }
+  py::gil_scoped_release release;
+  reduceInto(out.data_ptr(), a.data_ptr(), b.data_ptr(), static_cast<size_t>(out.numel()), dtype,
+             op);
+}
+
+void setCpuIsa(const std::string& name) {
+  CpuIsa isa = bestCpuIsa();
+  if (name != "auto" && !parseCpuIsa(name, &isa))
+    raiseUsage("pycomm set_cpu_isa: unknown instruction set '" + name +
+               "' (auto, generic, avx2, avx512)");
+  translate([&] { setReduceIsa(isa); });
+}
+
+std::vector<std::string> cpuIsaNames() {
+  std::vector<std::string> names;
+  for (CpuIsa isa : supportedCpuIsas()) names.push_back(cpuIsaName(isa));
+  return names;
+}
+
 }  // namespace
 
 void registerKernelBindings(py::module_& m) {
@@ -388,6 +439,14 @@ void registerKernelBindings(py::module_& m) {
         "kernels/cuda/reduce.cuh); op: sum, product, min, max, band, bor, bxor");
   k.def("divide_", &divideTensor, py::arg("t"), py::arg("divisor"),
         "t /= divisor in place (floating dtypes; how AVG finishes)");
+  k.def("reduce_into", &reduceIntoTensor, py::arg("out"), py::arg("a"), py::arg("b"),
+        py::arg("op") = "sum", "out = op(a, b) element-wise; out may be a or b itself");
+  k.def("cpu_isa", [] { return std::string(cpuIsaName(reduceIsa())); },
+        "the instruction set the reductions use now (generic, avx2 or avx512)");
+  k.def("cpu_isas", &cpuIsaNames, "the instruction sets this CPU and build support");
+  k.def("set_cpu_isa", &setCpuIsa, py::arg("name"),
+        "force the reductions' instruction set, process-wide (auto = the best supported); "
+        "for tests and benchmarks");
 }
 
 }  // namespace pycomm

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "kernels/cpu/cpu_isa.h"
 
 // Fused error feedback needs e = v - code * scale rounded exactly as dequantize()
 // rounds code * scale: forbid fusing the multiply and the subtraction (FMA).
@@ -18,15 +19,6 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#if defined(__GNUC__)
-#define PYCOMM_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define PYCOMM_ALWAYS_INLINE inline
-#endif
-
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-#define PYCOMM_X86_DISPATCH 1
-#endif
 
 namespace pycomm {
 namespace {
@@ -312,15 +304,11 @@ __attribute__((target("avx2"))) void dequantizeAvx2(const uint8_t* packed, size_
   dequantizeSelect(packed, count, bits, block, x);
 }
 
-bool hasAvx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #endif
 
 void runQuantize(const Args& a, int bits, bool stochastic, bool ef) {
 #ifdef PYCOMM_X86_DISPATCH
-  if (hasAvx2()) return quantizeAvx2(a, bits, stochastic, ef);
+  if (cpuSupports(CpuIsa::kAvx2)) return quantizeAvx2(a, bits, stochastic, ef);
 #endif
   quantizeBaseline(a, bits, stochastic, ef);
 }
@@ -361,7 +349,7 @@ void dequantize(const uint8_t* packed, size_t count, int bits, size_t block, flo
   checkQuantizeOptions("dequantize", bits, block);
   if (count == 0) return;
 #ifdef PYCOMM_X86_DISPATCH
-  if (hasAvx2()) return dequantizeAvx2(packed, count, bits, block, x);
+  if (cpuSupports(CpuIsa::kAvx2)) return dequantizeAvx2(packed, count, bits, block, x);
 #endif
   dequantizeBaseline(packed, count, bits, block, x);
 }

@@ -1,177 +1,454 @@
+// Element-wise reductions. The loops are written once, as plain C++ the compiler
+// auto-vectorizes (functors for the element ops, __restrict operands, selects
+// instead of branches), and compiled three times: the portable baseline, an
+// AVX2 + F16C copy and an AVX-512 copy (target attributes, never -march=native);
+// reduceInto() calls the copy for reduceIsa(). float16 / bfloat16 go through
+// float32 in L1-sized blocks; their conversions are branch-free (F16C / AVX-512
+// instructions for float16 where the CPU has them) and round to nearest even
+// exactly like kernels/cpu/half.h.
 #include "kernels/cpu/reduce.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#ifdef PYCOMM_X86_DISPATCH
+#include <immintrin.h>
+#endif
+
 #include "common/error.h"
-#include "kernels/cpu/half.h"
 
 namespace pycomm {
 namespace {
 
+// ---- element ops -------------------------------------------------------------
+
 // Integer sums and products wrap (two's complement) like torch's, without
 // signed-overflow UB: do the arithmetic in the unsigned type.
-template <typename T>
-inline T wrapAdd(T a, T b) {
-  if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-  } else {
-    return a + b;
+struct Add {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+    } else {
+      return a + b;
+    }
   }
-}
+};
 
-template <typename T>
-inline T wrapMul(T a, T b) {
-  if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    using W = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, U>;
-    return static_cast<T>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b)));
-  } else {
-    return a * b;
+struct Mul {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      using W = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, U>;
+      return static_cast<T>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b)));
+    } else {
+      return a * b;
+    }
   }
-}
+};
 
-// MIN/MAX propagate NaN like torch.minimum/maximum.
-template <typename T>
-inline T minOf(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) {
-    if (a != a) return a;
-    if (b != b) return b;
+// MIN/MAX propagate NaN like torch.minimum/maximum (a NaN in a wins, then one in b).
+struct Min {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const {
+    if constexpr (std::is_floating_point_v<T>) return a != a ? a : (b != b ? b : (b < a ? b : a));
+    return b < a ? b : a;
   }
-  return b < a ? b : a;
-}
+};
 
-template <typename T>
-inline T maxOf(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) {
-    if (a != a) return a;
-    if (b != b) return b;
+struct Max {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const {
+    if constexpr (std::is_floating_point_v<T>) return a != a ? a : (b != b ? b : (a < b ? b : a));
+    return a < b ? b : a;
   }
-  return a < b ? b : a;
+};
+
+struct And {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const { return T(a & b); }
+};
+struct Or {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const { return T(a | b); }
+};
+struct Xor {
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const { return T(a ^ b); }
+};
+
+// bool is one byte holding 0 or 1: SUM is OR and PRODUCT is AND (as NCCL maps them).
+struct BoolOr {
+  PYCOMM_ALWAYS_INLINE uint8_t operator()(uint8_t a, uint8_t b) const { return (a | b) != 0; }
+};
+struct BoolAnd {
+  PYCOMM_ALWAYS_INLINE uint8_t operator()(uint8_t a, uint8_t b) const { return (a & b) != 0; }
+};
+struct BoolXor {
+  PYCOMM_ALWAYS_INLINE uint8_t operator()(uint8_t a, uint8_t b) const { return (a ^ b) != 0; }
+};
+
+// op(b, a): lets dst == b reuse the in-place loop while keeping the operand order.
+template <typename F>
+struct Swapped {
+  F f;
+  template <typename T>
+  PYCOMM_ALWAYS_INLINE T operator()(T a, T b) const { return f(b, a); }
+};
+
+// ---- loops -------------------------------------------------------------------
+
+template <typename T, typename F>
+PYCOMM_ALWAYS_INLINE void mapInPlace(T* __restrict d, const T* __restrict s, size_t n, F f) {
+  for (size_t i = 0; i < n; ++i) d[i] = f(d[i], s[i]);
 }
 
 template <typename T, typename F>
-void apply(T* __restrict dst, const T* __restrict src, size_t count, F f) {
-  for (size_t i = 0; i < count; ++i) dst[i] = f(dst[i], src[i]);
+PYCOMM_ALWAYS_INLINE void mapOutOfPlace(T* __restrict d, const T* __restrict a,
+                                        const T* __restrict b, size_t n, F f) {
+  for (size_t i = 0; i < n; ++i) d[i] = f(a[i], b[i]);
+}
+
+// d = f(a, b) where d is a, b or neither (never a partial overlap).
+template <typename T, typename F>
+PYCOMM_ALWAYS_INLINE void map(T* d, const T* a, const T* b, size_t n, F f) {
+  if (d == a) return mapInPlace(d, b, n, f);
+  if (d == b) return mapInPlace(d, a, n, Swapped<F>{f});
+  mapOutOfPlace(d, a, b, n, f);
 }
 
 template <typename T>
-void reduceTyped(T* dst, const T* src, size_t count, ReduceOp op) {
+PYCOMM_ALWAYS_INLINE void reduceTyped(T* d, const T* a, const T* b, size_t n, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      return apply(dst, src, count, [](T a, T b) { return wrapAdd(a, b); });
+      return map(d, a, b, n, Add{});
     case ReduceOp::kProduct:
-      return apply(dst, src, count, [](T a, T b) { return wrapMul(a, b); });
+      return map(d, a, b, n, Mul{});
     case ReduceOp::kMin:
-      return apply(dst, src, count, [](T a, T b) { return minOf(a, b); });
+      return map(d, a, b, n, Min{});
     case ReduceOp::kMax:
-      return apply(dst, src, count, [](T a, T b) { return maxOf(a, b); });
+      return map(d, a, b, n, Max{});
     case ReduceOp::kBand:
     case ReduceOp::kBor:
     case ReduceOp::kBxor:
       if constexpr (std::is_integral_v<T>) {
-        if (op == ReduceOp::kBand) return apply(dst, src, count, [](T a, T b) { return T(a & b); });
-        if (op == ReduceOp::kBor) return apply(dst, src, count, [](T a, T b) { return T(a | b); });
-        return apply(dst, src, count, [](T a, T b) { return T(a ^ b); });
+        if (op == ReduceOp::kBand) return map(d, a, b, n, And{});
+        if (op == ReduceOp::kBor) return map(d, a, b, n, Or{});
+        return map(d, a, b, n, Xor{});
       }
       break;
   }
   PYCOMM_CHECK_INTERNAL(false, "reduce op ", reduceOpName(op), " reached a type that cannot do it");
 }
 
-// 16-bit floats: widen to float32, combine, round back once per element.
-template <float (*Load)(uint16_t), uint16_t (*Store)(float)>
-void reduceHalf(uint16_t* dst, const uint16_t* src, size_t count, ReduceOp op) {
-  constexpr size_t kBlock = 256;
-  float a[kBlock];
-  float b[kBlock];
-  for (size_t base = 0; base < count; base += kBlock) {
-    const size_t n = std::min(kBlock, count - base);
-    for (size_t i = 0; i < n; ++i) {
-      a[i] = Load(dst[base + i]);
-      b[i] = Load(src[base + i]);
-    }
-    reduceTyped(a, b, n, op);
-    for (size_t i = 0; i < n; ++i) dst[base + i] = Store(a[i]);
-  }
-}
-
-// bool is one byte holding 0 or 1: SUM is OR and PRODUCT is AND (as NCCL maps them).
-void reduceBool(uint8_t* dst, const uint8_t* src, size_t count, ReduceOp op) {
+PYCOMM_ALWAYS_INLINE void reduceBool(uint8_t* d, const uint8_t* a, const uint8_t* b, size_t n,
+                                     ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kMax:
     case ReduceOp::kBor:
-      return apply(dst, src, count, [](uint8_t a, uint8_t b) { return uint8_t((a | b) != 0); });
+      return map(d, a, b, n, BoolOr{});
     case ReduceOp::kProduct:
     case ReduceOp::kMin:
     case ReduceOp::kBand:
-      return apply(dst, src, count, [](uint8_t a, uint8_t b) { return uint8_t((a & b) != 0); });
+      return map(d, a, b, n, BoolAnd{});
     case ReduceOp::kBxor:
-      return apply(dst, src, count, [](uint8_t a, uint8_t b) { return uint8_t((a ^ b) != 0); });
+      return map(d, a, b, n, BoolXor{});
     case ReduceOp::kAvg:
       break;
   }
   PYCOMM_CHECK_INTERNAL(false, "AVG on bool");
 }
 
-}  // namespace
+// ---- 16-bit float conversions (branch-free, so they vectorize) ----------------
 
-void reduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op) {
-  if (count == 0) return;
-  switch (dtype) {
-    case DataType::kFloat32:
-      return reduceTyped(static_cast<float*>(dst), static_cast<const float*>(src), count, op);
-    case DataType::kFloat64:
-      return reduceTyped(static_cast<double*>(dst), static_cast<const double*>(src), count, op);
-    case DataType::kFloat16:
-      return reduceHalf<halfToFloat, floatToHalf>(static_cast<uint16_t*>(dst),
-                                                  static_cast<const uint16_t*>(src), count, op);
-    case DataType::kBFloat16:
-      return reduceHalf<bfloat16ToFloat, floatToBfloat16>(
-          static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), count, op);
-    case DataType::kInt8:
-      return reduceTyped(static_cast<int8_t*>(dst), static_cast<const int8_t*>(src), count, op);
-    case DataType::kInt16:
-      return reduceTyped(static_cast<int16_t*>(dst), static_cast<const int16_t*>(src), count, op);
-    case DataType::kInt32:
-      return reduceTyped(static_cast<int32_t*>(dst), static_cast<const int32_t*>(src), count, op);
-    case DataType::kInt64:
-      return reduceTyped(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), count, op);
-    case DataType::kUInt8:
-      return reduceTyped(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op);
-    case DataType::kBool:
-      return reduceBool(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), count, op);
+PYCOMM_ALWAYS_INLINE uint32_t bitsOf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+PYCOMM_ALWAYS_INLINE float floatOf(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// All ones where cond holds: selects as integer masks, so the compiler keeps the
+// conversions branch-free (it will not speculate a float operation behind a branch).
+PYCOMM_ALWAYS_INLINE uint32_t maskOf(bool cond) { return 0u - static_cast<uint32_t>(cond); }
+PYCOMM_ALWAYS_INLINE uint32_t pick(uint32_t mask, uint32_t yes, uint32_t no) {
+  return (yes & mask) | (no & ~mask);
+}
+
+// float16 -> float32, exact. The exponent is rebiased with one add; a zero or
+// subnormal half is renormalised by one exact float subtraction (F. Giesen's
+// "half to float" trick); inf and NaN move to exponent 255 keeping the payload.
+PYCOMM_ALWAYS_INLINE float fp16ToFloat(uint16_t h) {
+  constexpr uint32_t kShiftedExp = 0x7c00u << 13;
+  const uint32_t o = (uint32_t(h) & 0x7fffu) << 13;
+  const uint32_t exp = o & kShiftedExp;
+  const uint32_t normal = o + ((127u - 15u) << 23);
+  const uint32_t infNan = normal + ((128u - 16u) << 23);
+  const uint32_t small = bitsOf(floatOf(normal + (1u << 23)) - floatOf(113u << 23));
+  const uint32_t r =
+      pick(maskOf(exp == kShiftedExp), infNan, pick(maskOf(exp == 0), small, normal));
+  return floatOf(r | ((uint32_t(h) & 0x8000u) << 16));
+}
+
+// float32 -> float16, round to nearest even (as half.h's floatToHalf). Below
+// 2^-14 one float addition of 0.5 rounds onto the half subnormal grid (its ulp is
+// 2^-24); above, the 13 dropped bits round with the usual add-and-carry; 2^16 and
+// up is inf, NaN a quiet NaN.
+PYCOMM_ALWAYS_INLINE uint16_t floatToFp16(float f) {
+  const uint32_t bits = bitsOf(f);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t x = bits ^ sign;
+  constexpr uint32_t kHalfOne = 126u << 23;  // 0.5f
+  const uint32_t big = pick(maskOf(x > 0x7f800000u), 0x7e00u, 0x7c00u);
+  const uint32_t small = bitsOf(floatOf(x) + floatOf(kHalfOne)) - kHalfOne;
+  const uint32_t normal = (x + ((15u - 127u) << 23) + 0xfffu + ((x >> 13) & 1u)) >> 13;
+  const uint32_t h =
+      pick(maskOf(x >= 0x47800000u), big, pick(maskOf(x < 0x38800000u), small, normal));
+  return static_cast<uint16_t>(h | (sign >> 16));
+}
+
+PYCOMM_ALWAYS_INLINE float bf16ToFloat(uint16_t b) { return floatOf(uint32_t(b) << 16); }
+
+PYCOMM_ALWAYS_INLINE uint16_t floatToBf16(float f) {
+  const uint32_t x = bitsOf(f);
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const uint32_t quietNan = (x >> 16) | 0x40u;
+  return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quietNan : rounded);
+}
+
+enum class Half16 { kFloat16, kBFloat16 };
+
+template <Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void widenLoop(const uint16_t* __restrict in, float* __restrict out,
+                                    size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    out[i] = kFormat == Half16::kFloat16 ? fp16ToFloat(in[i]) : bf16ToFloat(in[i]);
+}
+
+template <Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void narrowLoop(const float* __restrict in, uint16_t* __restrict out,
+                                     size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    out[i] = kFormat == Half16::kFloat16 ? floatToFp16(in[i]) : floatToBf16(in[i]);
+}
+
+#ifdef PYCOMM_X86_DISPATCH
+// float16 with the CPU's conversion instructions (exact; round to nearest even).
+PYCOMM_TARGET_AVX2 void widenFp16F16c(const uint16_t* in, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  widenLoop<Half16::kFloat16>(in + i, out + i, n - i);
+}
+
+PYCOMM_TARGET_AVX2 void narrowFp16F16c(const float* in, uint16_t* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  narrowLoop<Half16::kFloat16>(in + i, out + i, n - i);
+}
+
+PYCOMM_TARGET_AVX512 void widenFp16Avx512(const uint16_t* in, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(
+        out + i, _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+  widenLoop<Half16::kFloat16>(in + i, out + i, n - i);
+}
+
+PYCOMM_TARGET_AVX512 void narrowFp16Avx512(const float* in, uint16_t* out, size_t n) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_maskz_cvtps_ph(0xffff, _mm512_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  narrowLoop<Half16::kFloat16>(in + i, out + i, n - i);
+}
+#endif
+
+template <CpuIsa kIsa, Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void widen(const uint16_t* in, float* out, size_t n) {
+#ifdef PYCOMM_X86_DISPATCH
+  if constexpr (kFormat == Half16::kFloat16 && kIsa == CpuIsa::kAvx2)
+    return widenFp16F16c(in, out, n);
+  if constexpr (kFormat == Half16::kFloat16 && kIsa == CpuIsa::kAvx512)
+    return widenFp16Avx512(in, out, n);
+#endif
+  widenLoop<kFormat>(in, out, n);
+}
+
+template <CpuIsa kIsa, Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void narrow(const float* in, uint16_t* out, size_t n) {
+#ifdef PYCOMM_X86_DISPATCH
+  if constexpr (kFormat == Half16::kFloat16 && kIsa == CpuIsa::kAvx2)
+    return narrowFp16F16c(in, out, n);
+  if constexpr (kFormat == Half16::kFloat16 && kIsa == CpuIsa::kAvx512)
+    return narrowFp16Avx512(in, out, n);
+#endif
+  narrowLoop<kFormat>(in, out, n);
+}
+
+// 16-bit floats: widen a block of each operand to float32 (L1-resident), combine,
+// round back once per element. d may be a or b: each block is read before written.
+constexpr size_t kHalfBlock = 512;
+
+template <CpuIsa kIsa, Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void reduceHalf(uint16_t* d, const uint16_t* a, const uint16_t* b, size_t n,
+                                     ReduceOp op) {
+  alignas(64) float x[kHalfBlock];
+  alignas(64) float y[kHalfBlock];
+  for (size_t base = 0; base < n; base += kHalfBlock) {
+    const size_t m = std::min(kHalfBlock, n - base);
+    widen<kIsa, kFormat>(a + base, x, m);
+    widen<kIsa, kFormat>(b + base, y, m);
+    reduceTyped(x, x, y, m, op);
+    narrow<kIsa, kFormat>(x, d + base, m);
   }
 }
 
-void divideBy(void* buf, size_t count, DataType dtype, int divisor) {
+template <CpuIsa kIsa, Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void divideHalf(uint16_t* p, size_t n, float divisor) {
+  alignas(64) float x[kHalfBlock];
+  for (size_t base = 0; base < n; base += kHalfBlock) {
+    const size_t m = std::min(kHalfBlock, n - base);
+    widen<kIsa, kFormat>(p + base, x, m);
+    for (size_t i = 0; i < m; ++i) x[i] /= divisor;
+    narrow<kIsa, kFormat>(x, p + base, m);
+  }
+}
+
+// ---- one body, compiled once per instruction set -----------------------------
+
+template <CpuIsa kIsa>
+PYCOMM_ALWAYS_INLINE void reduceBody(void* dst, const void* a, const void* b, size_t n,
+                                     DataType dtype, ReduceOp op) {
+#define PYCOMM_REDUCE_AS(T) \
+  reduceTyped(static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, op)
+  switch (dtype) {
+    case DataType::kFloat32: return PYCOMM_REDUCE_AS(float);
+    case DataType::kFloat64: return PYCOMM_REDUCE_AS(double);
+    case DataType::kInt8: return PYCOMM_REDUCE_AS(int8_t);
+    case DataType::kInt16: return PYCOMM_REDUCE_AS(int16_t);
+    case DataType::kInt32: return PYCOMM_REDUCE_AS(int32_t);
+    case DataType::kInt64: return PYCOMM_REDUCE_AS(int64_t);
+    case DataType::kUInt8: return PYCOMM_REDUCE_AS(uint8_t);
+    case DataType::kFloat16:
+      return reduceHalf<kIsa, Half16::kFloat16>(static_cast<uint16_t*>(dst),
+                                               static_cast<const uint16_t*>(a),
+                                               static_cast<const uint16_t*>(b), n, op);
+    case DataType::kBFloat16:
+      return reduceHalf<kIsa, Half16::kBFloat16>(static_cast<uint16_t*>(dst),
+                                                static_cast<const uint16_t*>(a),
+                                                static_cast<const uint16_t*>(b), n, op);
+    case DataType::kBool:
+      return reduceBool(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(a),
+                        static_cast<const uint8_t*>(b), n, op);
+  }
+#undef PYCOMM_REDUCE_AS
+}
+
+template <CpuIsa kIsa>
+PYCOMM_ALWAYS_INLINE void divideBody(void* buf, size_t n, DataType dtype, int divisor) {
   switch (dtype) {
     case DataType::kFloat32: {
       auto* p = static_cast<float*>(buf);
-      for (size_t i = 0; i < count; ++i) p[i] /= static_cast<float>(divisor);
+      const float q = static_cast<float>(divisor);
+      for (size_t i = 0; i < n; ++i) p[i] /= q;
       return;
     }
     case DataType::kFloat64: {
       auto* p = static_cast<double*>(buf);
-      for (size_t i = 0; i < count; ++i) p[i] /= static_cast<double>(divisor);
+      const double q = static_cast<double>(divisor);
+      for (size_t i = 0; i < n; ++i) p[i] /= q;
       return;
     }
-    case DataType::kFloat16: {
-      auto* p = static_cast<uint16_t*>(buf);
-      for (size_t i = 0; i < count; ++i) p[i] = floatToHalf(halfToFloat(p[i]) / divisor);
-      return;
-    }
-    case DataType::kBFloat16: {
-      auto* p = static_cast<uint16_t*>(buf);
-      for (size_t i = 0; i < count; ++i) p[i] = floatToBfloat16(bfloat16ToFloat(p[i]) / divisor);
-      return;
-    }
+    case DataType::kFloat16:
+      return divideHalf<kIsa, Half16::kFloat16>(static_cast<uint16_t*>(buf), n,
+                                                static_cast<float>(divisor));
+    case DataType::kBFloat16:
+      return divideHalf<kIsa, Half16::kBFloat16>(static_cast<uint16_t*>(buf), n,
+                                                 static_cast<float>(divisor));
     default:
       PYCOMM_CHECK_INTERNAL(false, "divideBy on ", dataTypeName(dtype));
+  }
+}
+
+void reduceGeneric(void* d, const void* a, const void* b, size_t n, DataType t, ReduceOp op) {
+  reduceBody<CpuIsa::kGeneric>(d, a, b, n, t, op);
+}
+void divideGeneric(void* buf, size_t n, DataType t, int divisor) {
+  divideBody<CpuIsa::kGeneric>(buf, n, t, divisor);
+}
+
+#ifdef PYCOMM_X86_DISPATCH
+PYCOMM_TARGET_AVX2 void reduceAvx2(void* d, const void* a, const void* b, size_t n, DataType t,
+                                   ReduceOp op) {
+  reduceBody<CpuIsa::kAvx2>(d, a, b, n, t, op);
+}
+PYCOMM_TARGET_AVX2 void divideAvx2(void* buf, size_t n, DataType t, int divisor) {
+  divideBody<CpuIsa::kAvx2>(buf, n, t, divisor);
+}
+PYCOMM_TARGET_AVX512 void reduceAvx512(void* d, const void* a, const void* b, size_t n,
+                                       DataType t, ReduceOp op) {
+  reduceBody<CpuIsa::kAvx512>(d, a, b, n, t, op);
+}
+PYCOMM_TARGET_AVX512 void divideAvx512(void* buf, size_t n, DataType t, int divisor) {
+  divideBody<CpuIsa::kAvx512>(buf, n, t, divisor);
+}
+#endif
+
+std::atomic<CpuIsa>& activeIsa() {
+  static std::atomic<CpuIsa> isa{bestCpuIsa()};
+  return isa;
+}
+
+}  // namespace
+
+CpuIsa reduceIsa() { return activeIsa().load(std::memory_order_relaxed); }
+
+void setReduceIsa(CpuIsa isa) {
+  PYCOMM_CHECK_USAGE(cpuSupports(isa), "pycomm set_cpu_isa: this CPU (or build) cannot run ",
+                     cpuIsaName(isa), "; best here is ", cpuIsaName(bestCpuIsa()));
+  activeIsa().store(isa, std::memory_order_relaxed);
+}
+
+void reduceInto(void* dst, const void* a, const void* b, size_t count, DataType dtype,
+                ReduceOp op) {
+  if (count == 0) return;
+  switch (reduceIsa()) {
+#ifdef PYCOMM_X86_DISPATCH
+    case CpuIsa::kAvx512: return reduceAvx512(dst, a, b, count, dtype, op);
+    case CpuIsa::kAvx2: return reduceAvx2(dst, a, b, count, dtype, op);
+#endif
+    default: return reduceGeneric(dst, a, b, count, dtype, op);
+  }
+}
+
+void reduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op) {
+  reduceInto(dst, dst, src, count, dtype, op);
+}
+
+void divideBy(void* buf, size_t count, DataType dtype, int divisor) {
+  if (count == 0 && isFloating(dtype)) return;
+  switch (reduceIsa()) {
+#ifdef PYCOMM_X86_DISPATCH
+    case CpuIsa::kAvx512: return divideAvx512(buf, count, dtype, divisor);
+    case CpuIsa::kAvx2: return divideAvx2(buf, count, dtype, divisor);
+#endif
+    default: return divideGeneric(buf, count, dtype, divisor);
   }
 }
 
