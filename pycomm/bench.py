@@ -124,6 +124,11 @@ _MAX_PERIOD = 251
 
 # Sizes at or above this get proportionally fewer iterations.
 _LARGE_BYTES = 16 * 2 ** 20
+# Small messages are timed in blocks of back-to-back calls after one untimed call
+# that realigns the ranks (the previous column's call may finish at different times
+# on different ranks, and that skew would otherwise land in this column's time).
+_BLOCK_SMALL_BYTES, _BLOCK_SMALL = 64 * 2 ** 10, 16
+_BLOCK_MEDIUM_BYTES, _BLOCK_MEDIUM = 2 ** 20, 4
 _MIN_LARGE_ITERS = 3
 
 _MEMCPY_BYTES = 64 * 2 ** 20
@@ -231,6 +236,15 @@ def memcpy_bandwidth(nbytes: int = _MEMCPY_BYTES, repeats: int = _MEMCPY_REPEATS
         np.copyto(dst, src)
         times.append(time.perf_counter() - start)
     return nbytes / statistics.median(times) / 1e9
+
+
+def _block_for(nbytes: int) -> int:
+    """Calls per timed sample: 16 up to 64 KiB, 4 up to 1 MiB, else 1."""
+    if nbytes <= _BLOCK_SMALL_BYTES:
+        return _BLOCK_SMALL
+    if nbytes <= _BLOCK_MEDIUM_BYTES:
+        return _BLOCK_MEDIUM
+    return 1
 
 
 def _iterations_for(nbytes: int, iters: int, warmup: int) -> "tuple[int, int]":
@@ -650,17 +664,22 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
 
         # Phase 2: timed iterations, interleaved across runs (the starting run
         # rotates each round) so that load changing over time on a shared host
-        # affects every column alike. No barriers: each iteration is timed alone.
+        # affects every column alike. No barriers: a sample is `block` calls
+        # timed together (after one untimed call when block > 1), divided by block.
         buffer.fill_(_stable_fill(op_name, rank))
         times: List[List[float]] = [[] for _ in runs]
+        block = _block_for(nbytes)
         for round_index in range(iters):
             shift = round_index % len(timed) if timed else 0
             for i in timed[shift:] + timed[:shift]:
                 run = runs[i]
                 _select(pycomm, run)
+                if block > 1:
+                    _all_reduce_once(buffer, run, op)
                 start = time.perf_counter()
-                _all_reduce_once(buffer, run, op)
-                times[i].append(time.perf_counter() - start)
+                for _ in range(block):
+                    _all_reduce_once(buffer, run, op)
+                times[i].append((time.perf_counter() - start) / block)
         if pycomm is not None:
             pycomm.set_algorithm("auto")
         # Per run: median, first and third quartile of this rank's iterations.
@@ -761,8 +780,10 @@ class _TablePrinter:
                     f"peer {meta['peer'] or 'none'}; iters {meta['iters']} (fewer from "
                     f"{format_size(_LARGE_BYTES)} up, at least {_MIN_LARGE_ITERS}), warmup {meta['warmup']}, "
                     f"check {'on' if meta['check'] else 'off'}")
-        self._print("# time = median over iterations, max over ranks; algbw = S/t (S = bytes per rank); "
-                    "busbw = algbw*2(n-1)/n; GB/s = 1e9 B/s")
+        self._print(f"# time = median over iterations, max over ranks; an iteration up to "
+                    f"{format_size(_BLOCK_SMALL_BYTES)} is {_BLOCK_SMALL} back-to-back calls, up to "
+                    f"{format_size(_BLOCK_MEDIUM_BYTES)} {_BLOCK_MEDIUM} (after one untimed call), divided; "
+                    "algbw = S/t (S = bytes per rank); busbw = algbw*2(n-1)/n; GB/s = 1e9 B/s")
         if skipped:
             self._print(f"# skipped {skipped} size(s) smaller than one element or duplicated after rounding")
         self._print("#")
