@@ -272,7 +272,7 @@ class BenchConfig:
     warmup: int = 5
     dtype: str = "float32"
     op: str = "sum"
-    algos: Sequence[str] = ("ring", "tree", "sharded")
+    algos: Sequence[str] = ("auto", "ring", "tree", "sharded")
     backend: str = "pycomm"
     peer: Optional[str] = "gloo"
     check: bool = True
@@ -1121,8 +1121,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations before timing")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="element type")
     parser.add_argument("--op", default="sum", choices=sorted(OPS), help="reduction operation")
-    parser.add_argument("--algos", default="ring,tree,sharded",
-                        help="comma-separated pycomm algorithms to measure ('auto' allowed)")
+    parser.add_argument("--algos", default="auto,ring,tree,sharded",
+                        help="comma-separated pycomm algorithms to measure: auto (what pycomm "
+                             "picks: shm when every rank shares a host), ring, tree, sharded, "
+                             "shm, hierarchical")
     parser.add_argument("--backend", default="pycomm",
                         help="backend under test; any other than pycomm (e.g. gloo) is measured "
                              "as a single column and --algos is ignored")

@@ -180,7 +180,7 @@ def test_parse_args():
     default = bench.parse_args([])
     assert (default.nprocs, default.min_bytes, default.max_bytes, default.step_factor) == (2, 8, 64 * 2 ** 20, 4)
     assert (default.iters, default.warmup, default.dtype, default.op) == (20, 5, "float32", "sum")
-    assert default.algos == ("ring", "tree", "sharded") and default.peer == "gloo" and default.check
+    assert default.algos == ("auto", "ring", "tree", "sharded") and default.peer == "gloo" and default.check
 
 
 @pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
@@ -237,7 +237,7 @@ def test_cli_pycomm_vs_gloo(tmp_path):
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     assert meta["world_size"] == 2 and meta["backend"] == "pycomm" and meta["memcpy_gbps"] > 0
-    _assert_sweep(rows, ["ring", "tree", "sharded"], [8, 64, 512, 4096, 32768, 65536], "gloo")
+    _assert_sweep(rows, ["auto", "ring", "tree", "sharded"], [8, 64, 512, 4096, 32768, 65536], "gloo")
     assert "memcpy" in proc.stdout and "busbw" in proc.stdout and "# check: OK" in proc.stdout
     # --plot adds a PNG and nothing else: the JSON has exactly the rows above, no MPI.
     assert all("vs_mpi" not in row for row in rows) and "mpi" not in meta

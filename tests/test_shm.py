@@ -151,6 +151,33 @@ def test_timeout_names_the_silent_rank():
     assert 2.5 < out["seconds"] < 3 + 5, out
 
 
+def _departing_peer(ctx):
+    import torch.distributed as dist
+
+    x = torch.ones(100)
+    dist.all_reduce(x)
+    if ctx.rank == 1:
+        time.sleep(0.5)
+        dist.destroy_process_group()  # leaves without joining rank 0's next all-reduce
+        time.sleep(5)  # alive: only the departure can tell rank 0
+        return {"left": True}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+
+
+def test_destroyed_peer_is_named_at_once():
+    res = spawn_run(_departing_peer, 2, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                    timeout_s=90, pg_timeout_s=30).check()
+    out = res.returns[0]
+    assert out["error"] is not None, out
+    assert "rank 1" in out["error"], out
+    assert out["seconds"] < 5, out  # not the 30 s timeout
+
+
 def test_no_segment_left_in_dev_shm():
     """Covers every run above (and any earlier in the session): segments are
     unlinked as soon as every local rank mapped them. conftest.py checks again

@@ -23,7 +23,18 @@ void allreduceHierarchical(Comm& comm, void* buf, size_t count, DataType dtype, 
     const AllreduceAlgorithm algorithm =
         selectAllreduceAlgorithm(count * elementSize(dtype), view.size());
     leaderComm.beginWithin(comm, std::string("hierarchical/") + allreduceAlgorithmName(algorithm));
-    allreduce(leaderComm, buf, count, dtype, op, algorithm);
+    try {
+      switch (algorithm) {
+        case AllreduceAlgorithm::kRing: allreduceRing(leaderComm, buf, count, dtype, op); break;
+        case AllreduceAlgorithm::kTree: allreduceTree(leaderComm, buf, count, dtype, op); break;
+        default: allreduceSharded(leaderComm, buf, count, dtype, op); break;
+      }
+    } catch (const std::exception& e) {
+      // Receives may still be posted into leaderComm's scratch, which dies with
+      // it: stop the transport from touching it before unwinding further.
+      comm.transport().abort(e.what());
+      throw;
+    }
   }
   // (3) Back inside the host.
   comm.setAlgorithm("hierarchical/shm");

@@ -58,8 +58,8 @@ void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
     throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
                seconds, " s waiting for ", peerName,
-               " (did it call the same collective? is it alive? waiting for step ", value, "; ",
-               arena_->describe(), ")");
+               " (did it call the same collective? is it alive? waiting for its counter to reach ",
+               value, "; ", arena_->describe(), ")");
   }
   throwError(ErrorKind::kConnection, prefix(), ": ", failure);
 }

@@ -176,8 +176,8 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
   std::shared_ptr<Transport> transport;
   std::shared_ptr<ShmArena> arena;
   try {
-    // TCP first: it names a rank that never joins; by the time it is up, every
-    // rank has published its host key.
+    // TCP first: it names a rank that never joins; once it is up every rank is
+    // here, so the host-key exchange below does not wait on a missing one.
     transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
     std::vector<int> local;
     if (config_.transport != "tcp" && size > 1) {
@@ -192,7 +192,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
       try {
         arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, config_.segmentBytes,
                                            kArenaDepth);
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {  // store errors are not pycomm::Error
         shmFailure = e.what();
       }
     }
@@ -263,6 +263,7 @@ void ProcessGroupPycomm::stopWorker() {
 void ProcessGroupPycomm::shutdown() {
   auto stop = [this] {
     stopWorker();  // runs what is queued, then stops
+    if (group_->arena()) group_->arena()->leave();  // local peers still waiting fail now
     group_->transportPtr()->abort("pycomm: the process group was shut down");
   };
   // Python may drop the last reference with the GIL held, while a future callback

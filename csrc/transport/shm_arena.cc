@@ -68,11 +68,13 @@ void ShmArena::publish(Phase phase, uint64_t value) {
 std::string ShmArena::peerFailure(int peer, bool checkAlive) {
   for (int j = 0; j < localSize(); ++j) {
     Control& c = control(j);
-    if (j != localRank_ && c.aborted.load(std::memory_order_acquire)) {
+    if (c.aborted.load(std::memory_order_acquire)) {  // this rank's own abort included
       return strCat(rankName(members_[j]), " aborted the group: ",
                     std::string(c.reason, strnlen(c.reason, sizeof(c.reason))));
     }
   }
+  if (control(peer).departed.load(std::memory_order_acquire))
+    return strCat(rankName(members_[peer]), " left the group (its process group was destroyed)");
   if (checkAlive) {
     const int pid = control(peer).pid.load(std::memory_order_acquire);
     if (!processAlive(pid)) return strCat(rankName(members_[peer]), " exited (process ", pid, " is gone)");
@@ -149,8 +151,15 @@ std::string ShmArena::describe() const {
     text += strCat(j ? ";" : "", " ", rankName(members_[j]), " ", c.counter[kPosted].load(), "/",
                    c.counter[kReduced].load(), "/", c.counter[kConsumed].load());
   }
-  return text + strCat("; this rank's next step ", nextSegment_, " in ", segment_.name(), " pids ",
-                        control(0).pid.load(), ",", control(localSize() - 1).pid.load());
+  return text + strCat("; this rank's next step ", nextSegment_);
+}
+
+void ShmArena::leave() {
+  control(localRank_).departed.store(1, std::memory_order_release);
+  for (int j = 0; j < localSize(); ++j) {
+    control(j).doorbell.fetch_add(1, std::memory_order_seq_cst);
+    futexWakeAll(&control(j).doorbell);
+  }
 }
 
 void ShmArena::countBytes(uint64_t in, uint64_t out) {

@@ -56,6 +56,10 @@ class ShmArena {
   void setRankNamer(std::function<std::string(int)> namer) { namer_ = std::move(namer); }
   std::string rankName(int groupRank) const;
 
+  // Says this rank has left (its group was destroyed normally): a peer waiting
+  // on it fails at once instead of at its timeout. Idempotent.
+  void leave();
+
   // Every local rank's progress counters, for timeout messages.
   std::string describe() const;
 
@@ -69,6 +73,7 @@ class ShmArena {
     std::atomic<uint32_t> sleepers;
     std::atomic<int32_t> pid;
     std::atomic<uint32_t> aborted;
+    std::atomic<uint32_t> departed;
     char reason[256];
   };
   Control& control(int localRank) const;

@@ -82,14 +82,17 @@ void ShmSegment::create(const std::string& name, size_t bytes) {
   if (fd < 0) throwError(ErrorKind::kConnection, "shm_open(", name, ") failed: ", std::strerror(errno));
   name_ = name;
   linked_ = true;
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const int err = errno;
+  // ftruncate alone reserves nothing on tmpfs: a /dev/shm too small for the
+  // segment would only show later, as SIGBUS on first touch. Allocate now.
+  int err = ::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : 0;
+  if (err == 0) err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err != 0) {
     ::close(fd);
-    throwError(ErrorKind::kConnection, "could not size shared memory ", name, " to ", bytes,
-               " bytes: ", std::strerror(err), " (is /dev/shm full?)");
+    throwError(ErrorKind::kConnection, "could not allocate ", bytes, " bytes of shared memory for ",
+               name, ": ", std::strerror(err), " (is /dev/shm too small? PYCOMM_TRANSPORT=tcp avoids it)");
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
+  err = errno;
   ::close(fd);
   if (p == MAP_FAILED) throwError(ErrorKind::kConnection, "mmap of ", name, " failed: ", std::strerror(err));
   data_ = static_cast<char*>(p);
