@@ -5,7 +5,6 @@
 // the other ranks of its host through the arena. Only one copy of the data per
 // host crosses the network.
 #include "algorithms/collectives.h"
-#include "transport/sub_transport.h"
 
 namespace pycomm {
 
@@ -18,22 +17,14 @@ void allreduceHierarchical(Comm& comm, void* buf, size_t count, DataType dtype, 
   const ShmArena* arena = comm.arena();
   const bool leader = arena == nullptr || arena->localRank() == 0;
   if (leader) {
-    SubTransport view(comm.transport(), leaders);
-    Comm leaderComm(view, comm.timeout(), comm.segmentBytes());
+    Comm& leaderComm = comm.leaderComm();
     const AllreduceAlgorithm algorithm =
-        selectAllreduceAlgorithm(count * elementSize(dtype), view.size());
+        selectAllreduceAlgorithm(count * elementSize(dtype), static_cast<int>(leaders.size()));
     leaderComm.beginWithin(comm, std::string("hierarchical/") + allreduceAlgorithmName(algorithm));
-    try {
-      switch (algorithm) {
-        case AllreduceAlgorithm::kRing: allreduceRing(leaderComm, buf, count, dtype, op); break;
-        case AllreduceAlgorithm::kTree: allreduceTree(leaderComm, buf, count, dtype, op); break;
-        default: allreduceSharded(leaderComm, buf, count, dtype, op); break;
-      }
-    } catch (const std::exception& e) {
-      // Receives may still be posted into leaderComm's scratch, which dies with
-      // it: stop the transport from touching it before unwinding further.
-      comm.transport().abort(e.what());
-      throw;
+    switch (algorithm) {
+      case AllreduceAlgorithm::kRing: allreduceRing(leaderComm, buf, count, dtype, op); break;
+      case AllreduceAlgorithm::kTree: allreduceTree(leaderComm, buf, count, dtype, op); break;
+      default: allreduceSharded(leaderComm, buf, count, dtype, op); break;
     }
   }
   // (3) Back inside the host.

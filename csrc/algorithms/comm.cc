@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "transport/sub_transport.h"
+
 namespace pycomm {
 
 void Comm::begin(const std::string& op, const std::string& algorithm) {
@@ -17,6 +19,14 @@ void Comm::begin(const std::string& op, const std::string& algorithm) {
 void Comm::begin(const std::string& op, std::chrono::milliseconds timeout) {
   timeout_ = timeout;
   begin(op);
+}
+
+Comm& Comm::leaderComm() {
+  if (!leaderComm_) {
+    leaderView_ = std::make_unique<SubTransport>(transport_, hostLeaders_);
+    leaderComm_ = std::make_unique<Comm>(*leaderView_, timeout_, segmentBytes_);
+  }
+  return *leaderComm_;
 }
 
 void Comm::beginWithin(const Comm& outer, const std::string& algorithm) {

@@ -61,6 +61,10 @@ class Comm {
   // arena it gives the hierarchical all-reduce its two levels.
   const std::vector<int>& hostLeaders() const { return hostLeaders_; }
   void setHostLeaders(std::vector<int> leaders) { hostLeaders_ = std::move(leaders); }
+  // The host leaders as a group of their own (a SubTransport view of this
+  // transport), for a rank among them; kept across calls, so its scratch
+  // buffers persist and outlive any receive still posted into them.
+  Comm& leaderComm();
   // Waits until local rank `peer` of the arena has published `phase` >= value,
   // before the deadline; failures and timeouts throw like wait().
   void waitArena(int peer, ShmArena::Phase phase, uint64_t value);
@@ -84,6 +88,8 @@ class Comm {
   std::string algorithm_;
   ShmArena* arena_ = nullptr;
   std::vector<int> hostLeaders_;
+  std::unique_ptr<Transport> leaderView_;
+  std::unique_ptr<Comm> leaderComm_;
   std::vector<std::unique_ptr<char[]>> scratch_;
   std::vector<size_t> scratchBytes_;
 };
