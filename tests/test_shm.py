@@ -178,6 +178,32 @@ def test_destroyed_peer_is_named_at_once():
     assert out["seconds"] < 5, out  # not the 30 s timeout
 
 
+def _mixed_config(ctx):
+    import torch.distributed as dist
+
+    import pycomm
+
+    x = torch.full((1000,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    return {"ok": bool(torch.all(x == 3)), "algorithm": pycomm.last_algorithm()}
+
+
+def test_ranks_configured_tcp_and_auto_agree_on_tcp():
+    """One rank with PYCOMM_TRANSPORT=tcp, one with auto: nobody waits for the
+    other's host key; both run over TCP."""
+    res = spawn_run(_mixed_config, 2, rank_env=[{"PYCOMM_TRANSPORT": "tcp"}, {"PYCOMM_TRANSPORT": "auto"}],
+                    make_ref=False, timeout_s=90, pg_timeout_s=20).check()
+    for rank, out in res.returns.items():
+        assert out["ok"] and out["algorithm"] != "shm", (rank, out)
+
+
+def test_forced_shm_names_the_rank_that_refuses_it():
+    res = spawn_run(_mixed_config, 2, rank_env=[{"PYCOMM_TRANSPORT": "tcp"}, {"PYCOMM_TRANSPORT": "shm"}],
+                    make_ref=False, timeout_s=90, pg_timeout_s=10)
+    error = res.errors.get(1, "")
+    assert "rank 0: PYCOMM_TRANSPORT=tcp" in error and "PYCOMM_TRANSPORT=shm" in error, res.failure_message()
+
+
 def test_no_segment_left_in_dev_shm():
     """Covers every run above (and any earlier in the session): segments are
     unlinked as soon as every local rank mapped them. conftest.py checks again

@@ -179,15 +179,19 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     // TCP first: it names a rank that never joins; once it is up every rank is
     // here, so the host-key exchange below does not wait on a missing one.
     transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
+    // Every rank (PYCOMM_TRANSPORT=tcp too) takes part in the host-key exchange
+    // and the vote below, so ranks configured differently never wait on each other.
     std::vector<int> local;
-    if (config_.transport != "tcp" && size > 1) {
-      const std::vector<int> leaderOf = hostLeaders(adapter, config_.storePrefix, rank, size);
-      for (int r = 0; r < size; ++r) {
+    if (size > 1) {
+      // A rank without shared memory is a host of its own for the others.
+      const std::vector<int> leaderOf = hostLeaders(adapter, config_.storePrefix, rank, size,
+                                                    config_.transport == "tcp" ? "tcp" : "");
+      for (int r = 0; r < size && config_.transport != "tcp"; ++r) {
         if (leaderOf[r] == leaderOf[rank]) local.push_back(r);
         if (leaderOf[r] == r) hostLeaders_.push_back(r);
       }
     }
-    std::string shmFailure;
+    std::string shmFailure = config_.transport == "tcp" ? "PYCOMM_TRANSPORT=tcp" : "";
     if (local.size() > 1) {
       try {
         arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, config_.segmentBytes,
@@ -198,17 +202,18 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     }
     // Everyone uses shared memory, or nobody does (algorithm choices must agree);
     // every rank says how it went before anyone gives up, so nobody waits.
-    if (config_.transport != "tcp" && size > 1) {
-      adapter.set(strCat(config_.storePrefix, "shm-ok/", rank), shmFailure.empty() ? "1" : "0");
-      bool everyone = true;
-      for (int r = 0; r < size; ++r)
-        everyone = adapter.get(strCat(config_.storePrefix, "shm-ok/", r)) == "1" && everyone;
-      if (!everyone) {
-        const std::string why = shmFailure.empty() ? "on another rank" : "(" + shmFailure + ")";
+    if (size > 1) {
+      adapter.set(strCat(config_.storePrefix, "shm-ok/", rank), shmFailure.empty() ? "1" : "0" + shmFailure);
+      std::string why;
+      for (int r = 0; r < size; ++r) {
+        const std::string vote = adapter.get(strCat(config_.storePrefix, "shm-ok/", r));
+        if (vote != "1" && why.empty()) why = strCat(transport->rankName(r), ": ", vote.substr(1));
+      }
+      if (!why.empty() && config_.transport != "tcp") {
         if (config_.transport == "shm")
-          throwError(ErrorKind::kConnection, "pycomm: shared memory setup failed ", why,
-                     " with PYCOMM_TRANSPORT=shm; PYCOMM_TRANSPORT=tcp avoids shared memory");
-        debugLog("shared memory setup failed " + why + "; every rank uses TCP only");
+          throwError(ErrorKind::kConnection, "pycomm: shared memory cannot be used (", why,
+                     ") but PYCOMM_TRANSPORT=shm; PYCOMM_TRANSPORT=tcp avoids shared memory");
+        debugLog("shared memory not used (" + why + "); every rank uses TCP only");
         arena.reset();
         local.clear();
         hostLeaders_.clear();

@@ -55,8 +55,9 @@ std::string hostKey() {
                 "|", namespaceId("ipc"), "|", namespaceId("mnt"), "|", namespaceId("pid"));
 }
 
-std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size) {
-  store.set(prefix + "host/" + std::to_string(rank), hostKey());
+std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size,
+                             const std::string& salt) {
+  store.set(prefix + "host/" + std::to_string(rank), hostKey() + "|" + salt);
   std::vector<std::string> keys(size);
   std::vector<int> leader(size);
   for (int r = 0; r < size; ++r) {

@@ -22,8 +22,10 @@ std::string hostKey();
 
 // Which ranks share a host: entry r is the lowest rank on rank r's host (its
 // leader). Publishes this rank's key under `<prefix>host/<rank>` and reads
-// everyone's, so every rank computes the same vector.
-std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size);
+// everyone's, so every rank computes the same vector. Ranks passing different
+// `salt`s count as different hosts.
+std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size,
+                             const std::string& salt = "");
 
 // A mapped shared-memory segment. The creator makes it with O_EXCL, sets it to
 // `bytes` (zero-filled), and removes the name once every user has mapped it
