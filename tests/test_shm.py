@@ -125,13 +125,18 @@ def test_waiting_ranks_sleep_when_oversubscribed():
         assert out["cpu"] < 0.25 * out["wall"], f"rank {rank} burned CPU while waiting: {out}"
 
 
-def _silent_peer(ctx):
+def _peer_that_stops(ctx, how):
+    """Rank 1 skips rank 0's second all-reduce: it sleeps past rank 0's timeout
+    ("sleeps") or destroys its group first ("destroys"), staying alive either way."""
     import torch.distributed as dist
 
     x = torch.ones(100)
     dist.all_reduce(x)
     if ctx.rank == 1:
-        time.sleep(6)  # never calls the second all-reduce within rank 0's timeout
+        if how == "destroys":
+            time.sleep(0.5)
+            dist.destroy_process_group()
+        time.sleep(6 if how == "sleeps" else 5)
         return {"skipped": True}
     start = time.monotonic()
     try:
@@ -142,7 +147,7 @@ def _silent_peer(ctx):
 
 
 def test_timeout_names_the_silent_rank():
-    res = spawn_run(_silent_peer, 2, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+    res = spawn_run(_peer_that_stops, 2, args=("sleeps",), env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
                     timeout_s=90, pg_timeout_s=3).check()
     out = res.returns[0]
     assert out["error"] is not None, out
@@ -151,26 +156,8 @@ def test_timeout_names_the_silent_rank():
     assert 2.5 < out["seconds"] < 3 + 5, out
 
 
-def _departing_peer(ctx):
-    import torch.distributed as dist
-
-    x = torch.ones(100)
-    dist.all_reduce(x)
-    if ctx.rank == 1:
-        time.sleep(0.5)
-        dist.destroy_process_group()  # leaves without joining rank 0's next all-reduce
-        time.sleep(5)  # alive: only the departure can tell rank 0
-        return {"left": True}
-    start = time.monotonic()
-    try:
-        dist.all_reduce(x)
-        return {"error": None}
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
-
-
 def test_destroyed_peer_is_named_at_once():
-    res = spawn_run(_departing_peer, 2, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+    res = spawn_run(_peer_that_stops, 2, args=("destroys",), env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
                     timeout_s=90, pg_timeout_s=30).check()
     out = res.returns[0]
     assert out["error"] is not None, out
