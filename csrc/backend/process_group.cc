@@ -215,7 +215,6 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
                      ") but PYCOMM_TRANSPORT=shm; PYCOMM_TRANSPORT=tcp avoids shared memory");
         debugLog("shared memory not used (" + why + "); every rank uses TCP only");
         arena.reset();
-        local.clear();
         hostLeaders_.clear();
       }
     }

@@ -41,8 +41,9 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
   // Everyone has mapped the segment (mapSharedSegment waited), but the header
   // written above may not be visible yet to others: they only read what they own.
   control(localRank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
-  spin_ = spinBudget(static_cast<int>(n));
+  // More local ranks than cores: a spinning rank would steal its peer's core.
   oversubscribed_ = n > std::max(1u, std::thread::hardware_concurrency());
+  spin_ = oversubscribed_ ? std::chrono::microseconds(2) : std::chrono::microseconds(50);
 }
 
 std::string ShmArena::rankName(int groupRank) const {

@@ -13,7 +13,6 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <thread>
 
 #include "common/error.h"
 
@@ -181,12 +180,6 @@ bool processAlive(int pid) {
   if (close == std::string::npos || close + 2 >= stat.size()) return true;
   const char state = stat[close + 2];
   return state != 'Z' && state != 'X';
-}
-
-std::chrono::nanoseconds spinBudget(int localRanks) {
-  static const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  return static_cast<unsigned>(localRanks) > cores ? std::chrono::microseconds(2)
-                                                  : std::chrono::microseconds(50);
 }
 
 }  // namespace pycomm

@@ -69,10 +69,6 @@ void futexWakeAll(std::atomic<uint32_t>* word);
 // False once process `pid` no longer exists (it crashed or was killed).
 bool processAlive(int pid);
 
-// How long a waiter spins before it sleeps: short when the host has fewer
-// cores than local ranks (a spinning rank would steal its peer's core).
-std::chrono::nanoseconds spinBudget(int localRanks);
-
 inline void cpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
