@@ -5,7 +5,8 @@
   while pycomm.stats() counts the shared-memory bytes; with PYCOMM_TRANSPORT=tcp
   the same calls go over TCP. Results are checked in both cases.
 * Waiting survives oversubscription: ranks blocked on a late peer sleep (their
-  CPU time stays far below the wall time they wait).
+  CPU time stays far below the wall time they wait), and ranks crowded 3:1 on
+  two CPUs spread 2:2 (a rank the user pinned is never moved).
 * A rank stalled or silent is named in the timeout (tests/test_failures.py kills a
   rank mid-collective on both paths), and nothing is left in /dev/shm.
 """
@@ -123,6 +124,59 @@ def test_waiting_ranks_sleep_when_oversubscribed():
         assert out["ok"], out
         assert out["wall"] > delay * 0.5, out  # it really waited
         assert out["cpu"] < 0.25 * out["wall"], f"rank {rank} burned CPU while waiting: {out}"
+
+
+def _cpu_now():
+    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat)."""
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
+def _crowded_ranks(ctx):
+    """Phase 1: every rank pinned to CPU 0 by the user: the arena must not move
+    anyone (or touch the mask). Phase 2: ranks allowed on CPUs {0, 1} but placed
+    3:1 (pinned for a moment, then unpinned): the arena should spread them 2:2."""
+    import torch.distributed as dist
+
+    out = {}
+    both = {0, 1}
+    x = torch.ones(2)
+    os.sched_setaffinity(0, {0})
+    pinned = dist.new_group(backend="pycomm")  # the arena reads the mask when it is made
+    for _ in range(300):
+        dist.all_reduce(x, group=pinned)
+    out["pinned_cpu"], out["pinned_mask"] = _cpu_now(), sorted(os.sched_getaffinity(0))
+
+    os.sched_setaffinity(0, both)
+    spread = dist.new_group(backend="pycomm")  # 4 ranks on 2 allowed CPUs: oversubscribed
+    dist.all_reduce(x, group=spread)
+    os.sched_setaffinity(0, {1} if ctx.rank == 3 else {0})  # migrates now
+    os.sched_setaffinity(0, both)  # ... and leaves it there
+    out["start_cpu"] = _cpu_now()
+    x.fill_(1)
+    for _ in range(300):
+        dist.all_reduce(x, group=spread)
+        x.fill_(1)
+    dist.all_reduce(x, group=spread)
+    out["ok"] = bool(torch.all(x == ctx.world_size))
+    out["spread_cpu"], out["spread_mask"] = _cpu_now(), sorted(os.sched_getaffinity(0))
+    return out
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
+def test_crowded_ranks_spread_over_their_cpus():
+    """Ranks that outnumber their CPUs yield to each other while waiting; three of
+    four on one CPU would make every call wait for that CPU (the scheduler leaves
+    such a 3:1 placement alone). The arena moves the crowded rank (once, by
+    pinning and restoring the mask), never a rank the user pinned."""
+    res = spawn_run(_crowded_ranks, 4, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                    timeout_s=120, pg_timeout_s=30).check()
+    outs = [res.returns[r] for r in range(4)]
+    assert all(o["pinned_cpu"] == 0 and o["pinned_mask"] == [0] for o in outs), outs
+    assert [o["start_cpu"] for o in outs] == [0, 0, 0, 1], outs  # the crowding took
+    assert all(o["ok"] and o["spread_mask"] == [0, 1] for o in outs), outs
+    per_cpu = sorted(sum(o["spread_cpu"] == c for o in outs) for c in (0, 1))
+    assert per_cpu == [2, 2], f"ranks not spread 2:2 over CPUs 0 and 1: {outs}"
 
 
 def _peer_that_stops(ctx, how):

@@ -1,8 +1,10 @@
 #include "transport/shm_arena.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -41,9 +43,17 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
   // Everyone has mapped the segment (mapSharedSegment waited), but the header
   // written above may not be visible yet to others: they only read what they own.
   control(localRank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
-  // More local ranks than cores: a spinning rank would steal its peer's core.
-  oversubscribed_ = n > std::max(1u, std::thread::hardware_concurrency());
+  // More local ranks than the CPUs this thread may run on (its affinity mask,
+  // e.g. a container's cpuset): a spinning rank would steal its peer's core.
+  CPU_ZERO(&allowed_);
+  if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0) {
+    for (unsigned c = 0; c < std::max(1u, std::thread::hardware_concurrency()) && c < CPU_SETSIZE; ++c)
+      CPU_SET(c, &allowed_);
+  }
+  oversubscribed_ = n > static_cast<size_t>(std::max(1, CPU_COUNT(&allowed_)));
   spin_ = oversubscribed_ ? std::chrono::microseconds(2) : std::chrono::microseconds(50);
+  const char* spread = std::getenv("PYCOMM_SHM_SPREAD");
+  spread_ = !(spread != nullptr && std::string(spread) == "0");
 }
 
 std::string ShmArena::rankName(int groupRank) const {
@@ -89,6 +99,7 @@ std::string ShmArena::waitFor(int peer, Phase phase, uint64_t value, Clock::time
   Control& c = control(peer);
   auto ready = [&] { return c.counter[phase].load(std::memory_order_acquire) >= value; };
   if (ready()) return "";
+  if (oversubscribed_ && spread_) spreadRanks();
   const auto spinEnd = Clock::now() + spin_;
   do {
     for (int i = 0; i < 64; ++i) cpuRelax();
@@ -130,6 +141,44 @@ std::string ShmArena::waitFor(int peer, Phase phase, uint64_t value, Clock::time
       return "timed out";
     }
   }
+}
+
+void ShmArena::spreadRanks() {
+  const int cpu = sched_getcpu();
+  if (cpu < 0) return;
+  control(localRank_).cpuPlusOne.store(cpu + 1, std::memory_order_relaxed);
+  const int n = localSize();
+  auto ranksOn = [&](int c) {
+    int count = 0;
+    for (int j = 0; j < n; ++j) count += control(j).cpuPlusOne.load(std::memory_order_relaxed) == c + 1;
+    return count;
+  };
+  const int here = ranksOn(cpu);
+  const int cpus = CPU_COUNT(&allowed_);
+  if (cpus < 2 || here <= (n + cpus - 1) / cpus) return;  // at most its fair share here
+  // Of the ranks crowded on this CPU, the highest moves (one decision per CPU).
+  for (int j = localRank_ + 1; j < n; ++j)
+    if (control(j).cpuPlusOne.load(std::memory_order_relaxed) == cpu + 1) return;
+  const auto now = Clock::now();
+  if (now - lastMove_ < std::chrono::milliseconds(1)) return;  // no ping-pong
+  int target = -1, fewest = here - 1;  // the move must leave the target below `here`
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (c == cpu || !CPU_ISSET(c, &allowed_)) continue;
+    const int count = ranksOn(c);
+    if (count < fewest) target = c, fewest = count;
+  }
+  if (target < 0) return;
+  lastMove_ = now;
+  // The mask may have changed since the arena was made (the user's own pinning).
+  if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0 || !CPU_ISSET(target, &allowed_)) return;
+  // Pinning to the target migrates this thread now; restoring the mask at once
+  // leaves it there and the scheduler free to move it again.
+  cpu_set_t only;
+  CPU_ZERO(&only);
+  CPU_SET(target, &only);
+  if (sched_setaffinity(0, sizeof(only), &only) != 0) return;
+  sched_setaffinity(0, sizeof(allowed_), &allowed_);
+  control(localRank_).cpuPlusOne.store(target + 1, std::memory_order_relaxed);
 }
 
 void ShmArena::abort(const std::string& reason) {

@@ -9,6 +9,8 @@
 // segment g.
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -74,11 +76,16 @@ class ShmArena {
     std::atomic<int32_t> pid;
     std::atomic<uint32_t> aborted;
     std::atomic<uint32_t> departed;
+    std::atomic<int32_t> cpuPlusOne;  // CPU + 1 where this rank last waited (0: not yet)
     char reason[256];
   };
   Control& control(int localRank) const;
   // "" or why a peer's state means the wait cannot succeed.
   std::string peerFailure(int peer, bool checkAlive);
+  // Oversubscribed waits: records this rank's CPU and, when more local ranks
+  // share it than their fair share while an allowed CPU has two fewer, moves
+  // this thread there (see docs/architecture.md, "Waiting").
+  void spreadRanks();
 
   ShmSegment segment_;
   std::vector<int> members_;
@@ -89,6 +96,9 @@ class ShmArena {
   uint64_t nextSegment_ = 0;
   std::chrono::nanoseconds spin_;
   bool oversubscribed_ = false;
+  bool spread_ = true;  // PYCOMM_SHM_SPREAD=0 turns spreadRanks off
+  cpu_set_t allowed_;  // this thread's affinity mask when the arena was made
+  Clock::time_point lastMove_{};
   static constexpr int kYieldMicros = 200;
   std::function<std::string(int)> namer_;
 };
