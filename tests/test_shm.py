@@ -154,12 +154,14 @@ def _crowded_ranks(ctx):
     os.sched_setaffinity(0, both)  # ... and leaves it there
     out["start_cpu"] = _cpu_now()
     x.fill_(1)
-    for _ in range(300):
+    cpus = []  # where this rank ran after each call
+    for _ in range(400):
         dist.all_reduce(x, group=spread)
         x.fill_(1)
+        cpus.append(_cpu_now())
     dist.all_reduce(x, group=spread)
     out["ok"] = bool(torch.all(x == ctx.world_size))
-    out["spread_cpu"], out["spread_mask"] = _cpu_now(), sorted(os.sched_getaffinity(0))
+    out["cpus"], out["spread_mask"] = cpus, sorted(os.sched_getaffinity(0))
     return out
 
 
@@ -175,8 +177,14 @@ def test_crowded_ranks_spread_over_their_cpus():
     assert all(o["pinned_cpu"] == 0 and o["pinned_mask"] == [0] for o in outs), outs
     assert [o["start_cpu"] for o in outs] == [0, 0, 0, 1], outs  # the crowding took
     assert all(o["ok"] and o["spread_mask"] == [0, 1] for o in outs), outs
-    per_cpu = sorted(sum(o["spread_cpu"] == c for o in outs) for c in (0, 1))
-    assert per_cpu == [2, 2], f"ranks not spread 2:2 over CPUs 0 and 1: {outs}"
+    # After call i every rank has finished call i - 1: compare placements call by
+    # call over the last 200 calls. The kernel may undo a move for a while (its
+    # load figures lag), so 90%, not all, must see 2:2; without the move
+    # the 3:1 placement held for 0-116 of them in four runs.
+    balanced = sum(sorted(sum(o["cpus"][i] == c for o in outs) for c in (0, 1)) == [2, 2]
+                   for i in range(200, 400))
+    assert balanced >= 180, (f"ranks ran 2:2 over CPUs 0 and 1 after only {balanced} of the last 200 "
+                             f"calls; CPUs of calls 200..210 by rank: {[o['cpus'][200:210] for o in outs]}")
 
 
 def _peer_that_stops(ctx, how):
