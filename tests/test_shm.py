@@ -180,7 +180,7 @@ def test_crowded_ranks_spread_over_their_cpus():
     # After call i every rank has finished call i - 1: compare placements call by
     # call over the last 200 calls. The kernel may undo a move for a while (its
     # load figures lag), so 90%, not all, must see 2:2; without the move
-    # the 3:1 placement held for 0-116 of them in four runs.
+    # 2:2 was seen after 0 to 116 of them in four runs.
     balanced = sum(sorted(sum(o["cpus"][i] == c for o in outs) for c in (0, 1)) == [2, 2]
                    for i in range(200, 400))
     assert balanced >= 180, (f"ranks ran 2:2 over CPUs 0 and 1 after only {balanced} of the last 200 "
