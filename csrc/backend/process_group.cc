@@ -367,8 +367,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
       runTask(task);
       lock.lock();
       busy_ = false;
+      // The worker waits for !busy_ only with work queued or a stop pending;
+      // waking it after every blocking call would cost a context switch per call.
+      const bool wakeWorker = !queue_.empty() || stopping_;
       lock.unlock();
-      queueCv_.notify_all();
+      if (wakeWorker) queueCv_.notify_all();
       return work;
     }
     queue_.push_back(std::move(task));
