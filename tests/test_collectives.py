@@ -1055,3 +1055,50 @@ def test_init_method_and_env_algo(init, algo):
                      timeout_s=120, pg_timeout_s=30).check().returns
     failures = [f for r in sorted(rets) for f in rets[r]]
     assert not failures, f"init={init} PYCOMM_ALGO={algo}: " + format_failures(failures)
+
+
+def _switches_of_other_threads():
+    """Voluntary context switches of every thread of this process but the main one."""
+    counts = {}
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        counts[tid] = int(line.split()[1])
+        except FileNotFoundError:  # the thread ended
+            pass
+    return counts
+
+
+def blocking_calls_worker(ctx):
+    x = torch.ones(2)
+    for _ in range(20):
+        dist.all_reduce(x)
+    before = _switches_of_other_threads()
+    for _ in range(200):
+        dist.all_reduce(x)
+    after = _switches_of_other_threads()
+    woken = max((after[t] - before[t] for t in after if t in before), default=0)
+    # The worker still runs what is queued: async calls, then a blocking one behind them.
+    x.fill_(1)
+    works = [dist.all_reduce(x, async_op=True) for _ in range(3)]
+    dist.all_reduce(x)
+    for w in works:
+        w.wait()
+    return {"woken": woken, "result": float(x[0])}
+
+
+def test_blocking_calls_leave_the_worker_asleep():
+    """A blocking call with nothing queued runs on the caller's thread; it must not
+    wake the group's worker thread each time (on a host with more ranks than cores
+    that wake-up cost a context switch per call: 60 instead of 24 us per 8-byte
+    all-reduce with 4 ranks on 2 cores)."""
+    rets = spawn_run(blocking_calls_worker, 2, backend=BACKEND, make_ref=False,
+                     timeout_s=120, pg_timeout_s=30).check().returns
+    for rank, out in rets.items():
+        assert out["woken"] < 20, (f"rank {rank}: another thread woke {out['woken']} times in 200 "
+                                   "blocking calls (70 before the fix)")
+        assert out["result"] == 2 ** 4, out

@@ -155,7 +155,11 @@ def test_topk_exact_selects_the_largest_magnitudes():
 
 def test_topk_approx_density_band():
     n, k = 200_000, 2_000  # 1%
-    x = torch.randn(n, generator=torch.Generator().manual_seed(4)) * torch.rand(n) ** 2
+    # Data and samples are seeded: the estimate ranks 20 of 2,000 sampled elements, so
+    # counts spread by about 1/sqrt(20) = 22%; over 400 (data, sample) seeds 1% of the
+    # counts fell outside [0.5 k, 2 k] (lowest 0.38 k), so unseeded data made this flaky.
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(4))
+         * torch.rand(n, generator=torch.Generator().manual_seed(5)) ** 2)
     counts = []
     for seed in range(10):
         idx, val = C.topk_approx(x, k, generator=torch.Generator().manual_seed(seed))
