@@ -39,105 +39,11 @@ ReduceOp reduceOpOf(const std::string& name) {
   throw std::invalid_argument("unknown reduce op " + name);
 }
 
-// Runs one collective on len(tensors) threads over a loopback fabric; tensor i
-// belongs to rank i and is updated in place (outputs for gather-like ops are
-// returned). Used by tests/test_algorithms.py.
-std::vector<at::Tensor> loopbackCollective(const std::string& collective,
-                                           std::vector<at::Tensor> tensors, const std::string& op,
-                                           const std::string& algorithm, int root,
-                                           size_t segmentBytes, double timeoutSeconds) {
-  const int n = static_cast<int>(tensors.size());
-  auto fabric = std::make_shared<LoopbackFabric>(n);
-  const ReduceOp reduceOp = reduceOpOf(op);
-  const AllreduceAlgorithm algo = parseAllreduceAlgorithm(algorithm);
-  std::vector<at::Tensor> outputs(n);
-  for (int r = 0; r < n; ++r) {
-    const at::Tensor& t = tensors[r];
-    if (collective == "allgather") outputs[r] = at::empty({n * t.numel()}, t.options());
-    else if (collective == "reduce_scatter") outputs[r] = at::empty({t.numel() / n}, t.options());
-    else if (collective == "alltoall") outputs[r] = at::empty_like(t);
-    else outputs[r] = t;
-  }
-  std::vector<std::string> errors(n);
-  // algorithm "shm": the ranks (threads) share a node-local arena whose slots
-  // are `segmentBytes` (rounded up to 4 KiB) so small segments pipeline.
-  MemoryStore store;
-  std::vector<int> everyone(n);
-  for (int r = 0; r < n; ++r) everyone[r] = r;
-  {
-    py::gil_scoped_release release;
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          LoopbackTransport transport(fabric, r);
-          Comm comm(transport, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
-                    segmentBytes);
-          std::unique_ptr<ShmArena> arena;
-          // With an arena every collective takes its shm path (dispatch.cc).
-          if (algo == AllreduceAlgorithm::kShm && n > 1) {
-            arena = std::make_unique<ShmArena>(store, "loopback/", everyone, r, segmentBytes, 4);
-            comm.setArena(arena.get());
-          }
-          comm.begin(collective);
-          const at::Tensor& t = tensors[r];
-          const DataType dtype = toDataType("loopback", t.scalar_type());
-          char* data = static_cast<char*>(t.data_ptr());
-          const size_t count = static_cast<size_t>(t.numel());
-          const size_t bytes = t.nbytes();
-          if (collective == "allreduce") {
-            allreduce(comm, data, count, dtype, reduceOp, algo);
-          } else if (collective == "broadcast") {
-            broadcast(comm, data, bytes, root);
-          } else if (collective == "reduce") {
-            reduce(comm, data, count, dtype, reduceOp, root);
-          } else if (collective == "allgather") {
-            std::vector<char*> chunks;
-            for (int i = 0; i < n; ++i) chunks.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * bytes);
-            std::memcpy(chunks[r], data, bytes);
-            allgather(comm, chunks, std::vector<size_t>(n, bytes));
-          } else if (collective == "reduce_scatter") {
-            const size_t part = count / n;
-            std::vector<char*> chunks;
-            for (int i = 0; i < n; ++i) chunks.push_back(data + i * part * elementSize(dtype));
-            reduceScatter(comm, chunks, std::vector<size_t>(n, part), dtype, reduceOp);
-            std::memcpy(outputs[r].data_ptr(), chunks[r], part * elementSize(dtype));
-          } else if (collective == "alltoall") {
-            const size_t part = bytes / n;
-            std::vector<const char*> sends;
-            std::vector<char*> recvs;
-            for (int i = 0; i < n; ++i) {
-              sends.push_back(data + i * part);
-              recvs.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * part);
-            }
-            alltoall(comm, sends, std::vector<size_t>(n, part), recvs,
-                             std::vector<size_t>(n, part));
-          } else if (collective == "barrier") {
-            barrier(comm);
-          } else {
-            throw std::invalid_argument("unknown collective " + collective);
-          }
-        } catch (const std::exception& e) {
-          errors[r] = e.what();
-          // Unblock the other ranks: a failed rank must not leave them waiting.
-          LoopbackTransport(fabric, r).abort(strCat("rank ", r, " failed: ", e.what()));
-        }
-      });
-    }
-    for (auto& thread : threads) thread.join();
-  }
-  for (int r = 0; r < n; ++r)
-    if (!errors[r].empty()) throw std::runtime_error("rank " + std::to_string(r) + ": " + errors[r]);
-  return outputs;
-}
-
-
-// ---- compressed collectives over loopback (tests/test_compressed_collectives.py)
-
 // Runs fn(comm, rank) on n threads over a fresh loopback fabric; rethrows the first
-// rank's error (usage errors as ValueError).
+// rank's error (usage errors as ValueError). Used by tests/test_algorithms.py and
+// tests/test_compressed_collectives.py.
 template <typename F>
-void runLoopbackRanks(int n, double timeoutSeconds, F fn) {
+void runLoopbackRanks(int n, double timeoutSeconds, F fn, size_t segmentBytes = 256 * 1024) {
   auto fabric = std::make_shared<LoopbackFabric>(n);
   std::vector<std::string> errors(n);
   std::vector<int> usageError(n, 0);
@@ -149,7 +55,7 @@ void runLoopbackRanks(int n, double timeoutSeconds, F fn) {
         try {
           LoopbackTransport transport(fabric, r);
           Comm comm(transport, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
-                    256 * 1024);
+                    segmentBytes);
           fn(comm, r);
         } catch (const std::exception& e) {
           errors[r] = e.what();
@@ -166,6 +72,83 @@ void runLoopbackRanks(int n, double timeoutSeconds, F fn) {
   for (int r = 0; r < n; ++r)
     if (!errors[r].empty()) throw std::runtime_error("rank " + std::to_string(r) + ": " + errors[r]);
 }
+
+// Runs one collective on len(tensors) threads over a loopback fabric; tensor i
+// belongs to rank i and is updated in place (outputs for gather-like ops are
+// returned). Used by tests/test_algorithms.py.
+std::vector<at::Tensor> loopbackCollective(const std::string& collective,
+                                           std::vector<at::Tensor> tensors, const std::string& op,
+                                           const std::string& algorithm, int root,
+                                           size_t segmentBytes, double timeoutSeconds) {
+  const int n = static_cast<int>(tensors.size());
+  const ReduceOp reduceOp = reduceOpOf(op);
+  const AllreduceAlgorithm algo = parseAllreduceAlgorithm(algorithm);
+  std::vector<at::Tensor> outputs(n);
+  for (int r = 0; r < n; ++r) {
+    const at::Tensor& t = tensors[r];
+    if (collective == "allgather") outputs[r] = at::empty({n * t.numel()}, t.options());
+    else if (collective == "reduce_scatter") outputs[r] = at::empty({t.numel() / n}, t.options());
+    else if (collective == "alltoall") outputs[r] = at::empty_like(t);
+    else outputs[r] = t;
+  }
+  // algorithm "shm": the ranks (threads) share a node-local arena whose slots
+  // are `segmentBytes` (rounded up to 4 KiB) so small segments pipeline.
+  MemoryStore store;
+  std::vector<int> everyone(n);
+  for (int r = 0; r < n; ++r) everyone[r] = r;
+  runLoopbackRanks(
+      n, timeoutSeconds,
+      [&](Comm& comm, int r) {
+        std::unique_ptr<ShmArena> arena;
+        // With an arena every collective takes its shm path (dispatch.cc).
+        if (algo == AllreduceAlgorithm::kShm && n > 1) {
+          arena = std::make_unique<ShmArena>(store, "loopback/", everyone, r, segmentBytes, 4);
+          comm.setArena(arena.get());
+        }
+        comm.begin(collective);
+        const at::Tensor& t = tensors[r];
+        const DataType dtype = toDataType("loopback", t.scalar_type());
+        char* data = static_cast<char*>(t.data_ptr());
+        const size_t count = static_cast<size_t>(t.numel());
+        const size_t bytes = t.nbytes();
+        if (collective == "allreduce") {
+          allreduce(comm, data, count, dtype, reduceOp, algo);
+        } else if (collective == "broadcast") {
+          broadcast(comm, data, bytes, root);
+        } else if (collective == "reduce") {
+          reduce(comm, data, count, dtype, reduceOp, root);
+        } else if (collective == "allgather") {
+          std::vector<char*> chunks;
+          for (int i = 0; i < n; ++i) chunks.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * bytes);
+          std::memcpy(chunks[r], data, bytes);
+          allgather(comm, chunks, std::vector<size_t>(n, bytes));
+        } else if (collective == "reduce_scatter") {
+          const size_t part = count / n;
+          std::vector<char*> chunks;
+          for (int i = 0; i < n; ++i) chunks.push_back(data + i * part * elementSize(dtype));
+          reduceScatter(comm, chunks, std::vector<size_t>(n, part), dtype, reduceOp);
+          std::memcpy(outputs[r].data_ptr(), chunks[r], part * elementSize(dtype));
+        } else if (collective == "alltoall") {
+          const size_t part = bytes / n;
+          std::vector<const char*> sends;
+          std::vector<char*> recvs;
+          for (int i = 0; i < n; ++i) {
+            sends.push_back(data + i * part);
+            recvs.push_back(static_cast<char*>(outputs[r].data_ptr()) + i * part);
+          }
+          alltoall(comm, sends, std::vector<size_t>(n, part), recvs, std::vector<size_t>(n, part));
+        } else if (collective == "barrier") {
+          barrier(comm);
+        } else {
+          throw std::invalid_argument("unknown collective " + collective);
+        }
+      },
+      segmentBytes);
+  return outputs;
+}
+
+
+// ---- compressed collectives over loopback (tests/test_compressed_collectives.py)
 
 void checkLoopbackFloats(const std::vector<at::Tensor>& tensors, const char* what) {
   for (const auto& t : tensors)
