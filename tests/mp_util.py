@@ -113,10 +113,12 @@ def _netns_child(netns, blob, rank, world_size, backend, q, *rest):
 
 
 def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env,
-           master_addr="127.0.0.1"):
+           master_addr="127.0.0.1", pre_init=None):
     os.environ.update(env)
     dist = None
     try:
+        if pre_init is not None:
+            pre_init(rank)
         import torch
 
         torch.set_num_threads(1)
@@ -220,6 +222,7 @@ def spawn_run(
     netns: list | None = None,
     master_addr: str = "127.0.0.1",
     rank_env: list | None = None,
+    pre_init: Callable | None = None,
 ) -> RunResult:
     """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
     longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
@@ -229,7 +232,9 @@ def spawn_run(
     Multi-host runs (see netns_util.py): ``netns[rank]`` names the network
     namespace rank ``rank`` enters first thing (None: stay); ``master_addr``
     is the rendezvous host for init="tcp"/"env" (rank 0 must be able to
-    listen there); ``rank_env[rank]`` adds per-rank environment variables."""
+    listen there); ``rank_env[rank]`` adds per-rank environment variables.
+    ``pre_init(rank)`` (a module-level function) runs in each rank before
+    init_process_group, e.g. to set a resource limit on one rank."""
     mp = multiprocessing.get_context("spawn")
     q = mp.Queue()
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
@@ -239,7 +244,8 @@ def spawn_run(
     start = time.monotonic()
     for rank in range(world_size):
         rest = (tmpdir, init, port, pg_timeout_s, make_ref,
-                dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}), master_addr)
+                dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}), master_addr,
+                pre_init)
         ns = netns[rank] if netns else None
         if ns is None:
             target, pargs = _child, (rank, world_size, backend, fn, args, q, *rest)

@@ -234,7 +234,8 @@ def _mixed_config(ctx):
 
     x = torch.full((1000,), float(ctx.rank + 1))
     dist.all_reduce(x)
-    return {"ok": bool(torch.all(x == 3)), "algorithm": pycomm.last_algorithm()}
+    n = ctx.world_size
+    return {"ok": bool(torch.all(x == n * (n + 1) / 2)), "algorithm": pycomm.last_algorithm()}
 
 
 def test_ranks_configured_tcp_and_auto_agree_on_tcp():
@@ -251,6 +252,33 @@ def test_forced_shm_names_the_rank_that_refuses_it():
                     make_ref=False, timeout_s=90, pg_timeout_s=10)
     error = res.errors.get(1, "")
     assert "rank 0: PYCOMM_TRANSPORT=tcp" in error and "PYCOMM_TRANSPORT=shm" in error, res.failure_message()
+
+
+def _creator_cannot_allocate(rank):
+    """Rank 0 creates its host's arena; a 1 MiB file-size limit (with SIGXFSZ
+    ignored) makes its ftruncate fail with EFBIG, as a full /dev/shm would."""
+    import resource
+    import signal
+
+    if rank == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 ** 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_arena_that_cannot_be_made(transport):
+    """auto: every rank falls back to TCP together and the collectives still work;
+    shm: every rank's init fails, naming the rank and the reason."""
+    res = spawn_run(_mixed_config, 3, env={"PYCOMM_TRANSPORT": transport}, pre_init=_creator_cannot_allocate,
+                    make_ref=False, timeout_s=90, pg_timeout_s=20)
+    if transport == "auto":
+        res.check()
+        for rank, out in res.returns.items():
+            assert out["ok"] and out["algorithm"] != "shm", (rank, out)
+    else:
+        assert sorted(res.errors) == [0, 1, 2], res.failure_message()
+        for rank, error in res.errors.items():
+            assert "rank 0" in error and "could not allocate" in error, (rank, error)
 
 
 def test_no_segment_left_in_dev_shm():

@@ -89,7 +89,7 @@ void ShmSegment::create(const std::string& name, size_t bytes) {
   if (err != 0) {
     ::close(fd);
     throwError(ErrorKind::kConnection, "could not allocate ", bytes, " bytes of shared memory for ",
-               name, ": ", std::strerror(err), " (is /dev/shm too small? PYCOMM_TRANSPORT=tcp avoids it)");
+               name, ": ", std::strerror(err), " (is /dev/shm too small?)");
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   err = errno;
