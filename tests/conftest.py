@@ -22,17 +22,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _dev_shm_leftovers():
-    """pycomm segments in /dev/shm whose creating process is gone (names carry its pid)."""
+    """pycomm segments in /dev/shm whose creating process is gone (names are
+    pycomm-<pid namespace inode>-<pid>-<hex>; only this PID namespace's are judged)."""
     import os
 
     found = []
     if not os.path.isdir("/dev/shm"):
         return found
+    own_ns = str(os.stat("/proc/self/ns/pid").st_ino)
     for name in os.listdir("/dev/shm"):
-        if not name.startswith("pycomm-"):
+        parts = name.split("-")
+        if parts[0] != "pycomm" or len(parts) != 4 or parts[1] != own_ns:
             continue
         try:
-            os.kill(int(name.split("-")[1]), 0)
+            os.kill(int(parts[2]), 0)
         except (ProcessLookupError, ValueError):
             found.append(name)
     return found

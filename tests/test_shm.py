@@ -281,6 +281,33 @@ def test_arena_that_cannot_be_made(transport):
             assert "rank 0" in error and "could not allocate" in error, (rank, error)
 
 
+def test_segment_of_a_dead_creator_is_removed():
+    """A creator killed between shm_open and its unlink leaves its segment; the next
+    arena made on the host removes it. Only segments of this PID namespace whose
+    creator is gone: a live creator's and another namespace's stay."""
+    import subprocess
+    import sys
+
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    names = {"dead": f"pycomm-{ns}-{dead}-00000000deadbeef",
+             "live": f"pycomm-{ns}-{os.getpid()}-00000000000a11fe",
+             "other_ns": f"pycomm-{ns + 1}-{dead}-0000000000000e15"}
+    try:
+        for name in names.values():
+            fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.close(fd)
+        spawn_run(_mixed_config, 2, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                  timeout_s=90, pg_timeout_s=20).check()
+        present = {key: os.path.exists(f"/dev/shm/{name}") for key, name in names.items()}
+        assert present == {"dead": False, "live": True, "other_ns": True}, present
+    finally:
+        for name in names.values():
+            if os.path.exists(f"/dev/shm/{name}"):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def test_no_segment_left_in_dev_shm():
     """Covers every run above (and any earlier in the session): segments are
     unlinked as soon as every local rank mapped them. conftest.py checks again

@@ -1,5 +1,6 @@
 #include "transport/shm_segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -31,6 +33,36 @@ std::string namespaceId(const char* name) {
   const std::string path = std::string("/proc/self/ns/") + name;
   const ssize_t n = ::readlink(path.c_str(), buf, sizeof(buf) - 1);
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("?");
+}
+
+// The inode of this process's PID namespace (0 if unknown). Segment names carry
+// it, so the pid in a name is only ever looked up in the namespace it belongs to.
+uint64_t pidNamespaceInode() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// Unlinks this user's segments whose creator (same PID namespace) is gone: what
+// a creator killed between shm_open and its unlink leaves behind.
+void removeAbandonedSegments(uint64_t pidNamespace) {
+  if (pidNamespace == 0) return;
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  const std::string prefix = strCat("pycomm-", pidNamespace, "-");
+  std::vector<std::string> abandoned;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (end == name.c_str() + prefix.size() || *end != '-' || pid <= 0) continue;
+    struct stat st {};
+    if (::fstatat(::dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != ::geteuid())
+      continue;
+    if (!processAlive(static_cast<int>(pid))) abandoned.push_back("/" + name);
+  }
+  ::closedir(dir);
+  for (const auto& name : abandoned) ::shm_unlink(name.c_str());
 }
 
 std::string randomHex(size_t bytes) {
@@ -130,7 +162,9 @@ void mapSharedSegment(ShmSegment& segment, KeyValueStore& store, const std::stri
   // is thrown, so no member waits on the store for the one that failed.
   const std::string base = prefix + "shm/" + tag + "/";
   if (self == members.front()) {
-    const std::string name = strCat("/pycomm-", ::getpid(), "-", randomHex(8));
+    const uint64_t pidNamespace = pidNamespaceInode();
+    removeAbandonedSegments(pidNamespace);
+    const std::string name = strCat("/pycomm-", pidNamespace, "-", ::getpid(), "-", randomHex(8));
     try {
       segment.create(name, bytes);
     } catch (const Error&) {
