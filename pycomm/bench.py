@@ -124,9 +124,11 @@ _MAX_PERIOD = 251
 
 # Sizes at or above this get proportionally fewer iterations.
 _LARGE_BYTES = 16 * 2 ** 20
-# Small messages are timed in blocks of back-to-back calls after one untimed call
-# that realigns the ranks (the previous column's call may finish at different times
-# on different ranks, and that skew would otherwise land in this column's time).
+# Small messages are timed in blocks of back-to-back calls. Every sample follows one
+# untimed call of the same run when several runs alternate: it realigns the ranks
+# (the previous column's call may finish at different times on different ranks, and
+# that skew would otherwise land in this column's time; after a gloo call of some
+# milliseconds it tripled the 8 MiB shm time in some runs).
 _BLOCK_SMALL_BYTES, _BLOCK_SMALL = 64 * 2 ** 10, 16
 _BLOCK_MEDIUM_BYTES, _BLOCK_MEDIUM = 2 ** 20, 4
 _MIN_LARGE_ITERS = 3
@@ -665,7 +667,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         # Phase 2: timed iterations, interleaved across runs (the starting run
         # rotates each round) so that load changing over time on a shared host
         # affects every column alike. No barriers: a sample is `block` calls
-        # timed together (after one untimed call when block > 1), divided by block.
+        # timed together (after one untimed call when runs alternate), divided by block.
         buffer.fill_(_stable_fill(op_name, rank))
         times: List[List[float]] = [[] for _ in runs]
         block = _block_for(nbytes)
@@ -674,7 +676,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
             for i in timed[shift:] + timed[:shift]:
                 run = runs[i]
                 _select(pycomm, run)
-                if block > 1:
+                if len(timed) > 1:
                     _all_reduce_once(buffer, run, op)
                 start = time.perf_counter()
                 for _ in range(block):
@@ -782,7 +784,8 @@ class _TablePrinter:
                     f"check {'on' if meta['check'] else 'off'}")
         self._print(f"# time = median over iterations, max over ranks; an iteration up to "
                     f"{format_size(_BLOCK_SMALL_BYTES)} is {_BLOCK_SMALL} back-to-back calls, up to "
-                    f"{format_size(_BLOCK_MEDIUM_BYTES)} {_BLOCK_MEDIUM} (after one untimed call), divided; "
+                    f"{format_size(_BLOCK_MEDIUM_BYTES)} {_BLOCK_MEDIUM}, divided (each after one untimed call "
+                    "when columns alternate); "
                     "algbw = S/t (S = bytes per rank); busbw = algbw*2(n-1)/n; GB/s = 1e9 B/s")
         if skipped:
             self._print(f"# skipped {skipped} size(s) smaller than one element or duplicated after rounding")
