@@ -229,22 +229,27 @@ def _wrap(model, state, hook, cap_mb=0.004):
     return ddp
 
 
-def _train(ctx, name, steps, *, lr=TRAIN_LR, momentum=0.0, start=0, model=None, state=None, opt=None):
-    """Train ``steps`` SGD steps with hook ``name``; returns (model, losses)."""
-    factory, hook = _hook_configs()[name]
-    model = model if model is not None else _student()
-    ddp = _wrap(model, state if state is not None else factory(), hook)
-    opt = opt if opt is not None else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+def _steps(ctx, ddp, opt, start, steps, label):
+    """Steps ``start`` .. ``start + steps - 1`` on this rank's batches; returns the losses."""
     losses = []
     for step in range(start, start + steps):
-        ctx.progress(f"train {name} step {step}")
+        ctx.progress(f"{label} step {step}")
         x, y = _batch(ctx.rank, step)
         loss = F.mse_loss(ddp(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return model, losses
+    return losses
+
+
+def _train(ctx, name, steps, *, lr=TRAIN_LR, momentum=0.0, start=0, model=None, state=None, opt=None):
+    """Train ``steps`` SGD steps with hook ``name``; returns (model, losses)."""
+    factory, hook = _hook_configs()[name]
+    model = model if model is not None else _student()
+    ddp = _wrap(model, state if state is not None else factory(), hook)
+    opt = opt if opt is not None else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    return model, _steps(ctx, ddp, opt, start, steps, f"train {name}")
 
 
 def _flat(model):
@@ -533,16 +538,7 @@ def _checkpoint_checks(ctx):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         if opt_state is not None:
             opt.load_state_dict(opt_state)
-        losses = []
-        for step in range(start, start + steps):
-            ctx.progress(f"checkpoint {name} step {step}")
-            x, y = _batch(ctx.rank, step)
-            loss = F.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, opt
+        return _steps(ctx, ddp, opt, start, steps, f"checkpoint {name}"), opt
 
     for name, factory in factories.items():
         full, _ = run(name, total, 0, _student(), factory())
@@ -588,16 +584,7 @@ def _momentum_checks(ctx):
         model = _student()
         ddp = _wrap(model, factory(), H.topk_hook)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        losses = []
-        for step in range(TRAIN_STEPS):
-            ctx.progress(f"momentum {name} step {step}")
-            x, y = _batch(ctx.rank, step)
-            loss = F.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        out[name] = (losses, _flat(model))
+        out[name] = (_steps(ctx, ddp, opt, 0, TRAIN_STEPS, f"momentum {name}"), _flat(model))
     plain = _tail(out["topk_sgd_momentum"][0])
     for name in ("topk_dgc", "topk_dgc_allgather"):
         losses = out[name][0]
@@ -610,15 +597,7 @@ def _momentum_checks(ctx):
     def train(state, model, start, steps):
         ddp = _wrap(model, state, H.topk_hook)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        losses = []
-        for step in range(start, start + steps):
-            x, y = _batch(ctx.rank, step)
-            loss = F.mse_loss(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
+        return _steps(ctx, ddp, opt, start, steps, "momentum checkpoint")
 
     full = train(H.TopKState(density=0.01, momentum=0.9), _student(), 0, 12)
     model, state = _student(), H.TopKState(density=0.01, momentum=0.9)
