@@ -1,13 +1,14 @@
 """Registration of the "pycomm" torch.distributed backend and per-group controls."""
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-from .config import bind_address, load_config
+from .config import bind_address, group_config, load_config
 
 __all__ = [
     "BACKEND_NAME",
@@ -21,10 +22,10 @@ __all__ = [
 BACKEND_NAME = "pycomm"
 
 
-def _timeout_seconds(timeout) -> float:
-    if hasattr(timeout, "total_seconds"):
-        return float(timeout.total_seconds())
-    return float(timeout)
+def _timedelta(timeout) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    return datetime.timedelta(seconds=float(timeout))
 
 
 def _store_prefix() -> str:
@@ -36,18 +37,15 @@ def _store_prefix() -> str:
 
 def _create_backend(dist_opts, backend_options=None):
     config = load_config()
-    return _C.ProcessGroupPycomm(
-        store=dist_opts.store,
-        rank=dist_opts.group_rank,
-        size=dist_opts.group_size,
-        timeout_seconds=_timeout_seconds(dist_opts.timeout),
+    options = group_config(
+        config,
+        timeout=_timedelta(dist_opts.timeout),
         bind_address=bind_address(config, dist_opts.store),
-        segment_bytes=config.segment_bytes,
-        algorithm=config.algorithm,
-        global_ranks=[int(r) for r in dist_opts.global_ranks_in_group],
-        check_calls=config.check_calls,
+        global_ranks=dist_opts.global_ranks_in_group,
         store_prefix=_store_prefix(),
-        transport=config.transport,
+    )
+    return _C.ProcessGroupPycomm(
+        store=dist_opts.store, rank=dist_opts.group_rank, size=dist_opts.group_size, config=options
     )
 
 
@@ -73,8 +71,9 @@ def _backend_of(group) -> "_C.ProcessGroupPycomm":
 
 
 def set_algorithm(name: str, group=None) -> None:
-    """Fixes the all-reduce algorithm of `group` (default group if None):
-    "ring", "tree", "sharded", or "auto" to let the cost model choose."""
+    """Fixes the all-reduce algorithm of `group` (default group if None): a name
+    of `pycomm.config.ALGORITHMS` ("ring", "tree", "sharded", "shm", ...), or
+    "auto" to let the cost model choose."""
     _backend_of(group).set_algorithm(name)
 
 

@@ -3,9 +3,11 @@
 =====================  =========  ==================================================
 variable               default    meaning
 =====================  =========  ==================================================
-PYCOMM_ALGO            auto       all-reduce algorithm: auto, ring, tree, sharded or
-                                  shm (auto takes shm when every rank of the group
-                                  shares a host, else the cost model's choice)
+PYCOMM_ALGO            auto       all-reduce algorithm: auto or a name of the C++
+                                  table (ring, sharded, tree, shm, hierarchical;
+                                  ALGORITHMS below, read from pycomm._C); auto takes
+                                  shm or hierarchical where they fit, else the cost
+                                  model's choice
 PYCOMM_TRANSPORT       auto       auto: shared memory among ranks on one host (same
                                   hostname, boot id and namespaces), TCP between
                                   hosts; shm: the same, and a failure to set up
@@ -18,9 +20,12 @@ PYCOMM_CHECK           0          1 makes ranks compare each collective's call (
                                   naming the ranks; also on with
                                   TORCH_DISTRIBUTED_DEBUG=DETAIL. Costs one small
                                   all-gather per collective.
+PYCOMM_SHM_SPREAD      1          with more ranks on a host than CPUs they may use,
+                                  a rank crowded on one CPU moves to a freer one; 0
+                                  leaves placement to the kernel
 PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce,
-                                  dropped connections and failures to stderr (read
-                                  by the C++ core)
+                                  dropped connections and failures to stderr (the
+                                  C++ core's switch is process-wide)
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -29,19 +34,28 @@ PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
 Without PYCOMM_SOCKET_IFNAME, pycomm listens on the local address that routes to
 the rendezvous host (MASTER_ADDR or the TCPStore's host), falling back to the
 host name's address, then to 127.0.0.1.
+
+This module is the only reader of PYCOMM_* (setup.py reads PYCOMM_BUILD_CUDA at
+build time): `group_config` turns a `Config` plus what torch passes into the C++
+core's one options object, `pycomm._C.GroupConfig` (csrc/common/group_config.h).
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fcntl
 import os
 import socket
 import struct
 
-__all__ = ["Config", "load_config", "bind_address", "ENV_VARS"]
+from . import _C
 
-ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK", "PYCOMM_DEBUG")
-ALGORITHMS = ("auto", "ring", "tree", "sharded", "shm")
+__all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", "ALGORITHMS", "TRANSPORTS"]
+
+ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK",
+            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG")
+# "auto" and the all-reduce table's names, from the C++ core (allreduce_registry.h).
+ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
 
 
@@ -52,6 +66,12 @@ class Config:
     socket_ifname: str | None = None
     check_calls: bool = False
     transport: str = "auto"
+    shm_spread: bool = True
+    debug: bool = False
+
+
+def _flag(env, name: str, default: str) -> bool:
+    return env.get(name, default).strip() not in ("", "0")
 
 
 def load_config(environ=None) -> Config:
@@ -74,11 +94,30 @@ def load_config(environ=None) -> Config:
             f"pycomm: PYCOMM_TRANSPORT={transport!r} is not one of {', '.join(TRANSPORTS)}"
         )
     ifname = env.get("PYCOMM_SOCKET_IFNAME") or None
-    check = env.get("PYCOMM_CHECK", "0").strip() not in ("", "0") or (
+    check = _flag(env, "PYCOMM_CHECK", "0") or (
         env.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
     )
+    # Spreading is on unless exactly "0"; debug is on unless unset, empty or "0".
+    spread = env.get("PYCOMM_SHM_SPREAD", "1").strip() != "0"
     return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
-                  transport=transport)
+                  transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"))
+
+
+def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: str, global_ranks,
+                 store_prefix: str) -> "_C.GroupConfig":
+    """The C++ options object of one process group: `config` plus what torch passes."""
+    options = _C.GroupConfig()
+    options.timeout = timeout
+    options.bind_address = bind_address
+    options.segment_bytes = config.segment_bytes
+    options.algorithm = config.algorithm
+    options.global_ranks = [int(r) for r in global_ranks]
+    options.check_calls = config.check_calls
+    options.store_prefix = store_prefix
+    options.transport = config.transport
+    options.shm_spread = config.shm_spread
+    options.debug = config.debug
+    return options
 
 
 def _interface_address(ifname: str) -> str:

@@ -14,6 +14,8 @@ import torch
 
 from pycomm import _C
 
+import loopback
+
 ALGOS = ["ring", "tree", "sharded", "shm"]
 # The other collectives: over the transport ("auto") or the shared-memory arena ("shm").
 PATHS = ["auto", "shm"]
@@ -39,7 +41,7 @@ def supported(dtype, op):
 
 
 def run(collective, tensors, op="sum", algo="auto", root=0, segment=4096):
-    return _C._loopback_collective(collective, tensors, op, algo, root, segment, 60.0)
+    return loopback.collective(collective, tensors, op, algo, root, segment, 60.0)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -231,3 +233,45 @@ def test_auto_selection_takes_shm_on_one_host():
         assert _C._select_algorithm(8, n, one_host=True) == "shm"
         assert _C._select_algorithm(64 << 20, n, one_host=True) == "shm"
     assert _C._select_algorithm(8, 1, one_host=True) != "shm"  # nothing to exchange
+
+
+def test_auto_selection_takes_hierarchical_across_hosts_with_shared_ones():
+    # 4 ranks on 2 hosts: hierarchical; every rank alone on its host: a network algorithm.
+    for nbytes in (8, 64 << 20):
+        assert _C._select_algorithm(nbytes, 4, hosts=2) == "hierarchical"
+        assert _C._select_algorithm(nbytes, 4, hosts=4) in ("ring", "sharded", "tree")
+
+
+def test_algorithm_names_come_from_one_table():
+    """The C++ table is the only list: config.py accepts exactly its names (it
+    rejected PYCOMM_ALGO=hierarchical, which the C++ accepted)."""
+    from pycomm import config
+
+    names = _C.allreduce_algorithms()
+    assert names[0] == "auto"
+    assert set(names) == {"auto", "ring", "tree", "sharded", "shm", "hierarchical"}
+    assert config.ALGORITHMS == tuple(names)
+    for name in names:
+        assert config.load_config({"PYCOMM_ALGO": name}).algorithm == name
+    with pytest.raises(ValueError, match="PYCOMM_ALGO='bogus' is not one of auto, ring"):
+        config.load_config({"PYCOMM_ALGO": "bogus"})
+
+
+def test_group_config_carries_every_knob():
+    """config.py is the only reader of PYCOMM_*: the C++ core gets them in GroupConfig."""
+    import datetime
+
+    from pycomm import config
+
+    cfg = config.load_config({"PYCOMM_ALGO": "tree", "PYCOMM_SEGMENT_BYTES": "4096", "PYCOMM_CHECK": "1",
+                              "PYCOMM_TRANSPORT": "tcp", "PYCOMM_SHM_SPREAD": "0", "PYCOMM_DEBUG": "1"})
+    options = config.group_config(cfg, timeout=datetime.timedelta(seconds=7), bind_address="10.0.0.1",
+                                  global_ranks=[3, 5], store_prefix="p/")
+    assert isinstance(options, _C.GroupConfig)
+    assert (options.algorithm, options.segment_bytes, options.check_calls, options.transport) == \
+        ("tree", 4096, True, "tcp")
+    assert (options.shm_spread, options.debug) == (False, True)
+    assert options.timeout == datetime.timedelta(seconds=7)
+    assert (options.bind_address, list(options.global_ranks), options.store_prefix) == ("10.0.0.1", [3, 5], "p/")
+    defaults = config.load_config({})
+    assert (defaults.shm_spread, defaults.debug) == (True, False)

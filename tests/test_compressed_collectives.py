@@ -17,6 +17,8 @@ import torch
 
 from pycomm import _C
 
+import loopback
+
 K = _C.kernels
 WORLDS = list(range(1, 10))
 
@@ -27,7 +29,7 @@ def counts_for(n):
 
 def quantized(tensors, residuals=None, bits=8, block=256, stochastic=False, seed=0, segments=()):
     outs = [t.clone() for t in tensors]
-    _C._loopback_allreduce_quantized(outs, residuals, bits, block, stochastic, seed, list(segments), 60.0)
+    loopback.allreduce_quantized(outs, residuals, bits, block, stochastic, seed, list(segments), 60.0)
     return outs
 
 
@@ -168,8 +170,8 @@ def dense_sum(indices, values, count, round_to=None):
 
 
 def sparse(indices, values, count, residuals=None, value_dtype="float32", keep=0.0, segments=()):
-    return _C._loopback_allreduce_sparse(indices, values, count, residuals, value_dtype, keep,
-                                         list(segments), 60.0)
+    return loopback.allreduce_sparse(indices, values, count, residuals, value_dtype, keep,
+                                     list(segments), 60.0)
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -284,7 +286,7 @@ def _pg_worker(ctx):
     # quantized, stochastic, error feedback: equal to the loopback run on the same inputs
     ref_res = [torch.full((count,), 0.01) for _ in range(world)]
     ref = [x.clone() for x in xs]
-    _C._loopback_allreduce_quantized(ref, ref_res, 4, 64, True, 9, segments, 60.0)
+    loopback.allreduce_quantized(ref, ref_res, 4, 64, True, 9, segments, 60.0)
     mine, res = xs[rank].clone(), torch.full((count,), 0.01)
     before = torch.ones(5) * (rank + 1)
     w0 = dist.all_reduce(before, async_op=True)  # queued ahead: submission order
@@ -339,6 +341,8 @@ def _pg_worker(ctx):
 @pytest.mark.parametrize("world", [2, 3])
 def test_process_group_methods(world):
     from mp_util import spawn_run
+
+    loopback.build()  # the ranks compare with the loopback harness: build it once, here
 
     rets = spawn_run(_pg_worker, world, backend="pycomm", make_ref=False, timeout_s=90,
                      pg_timeout_s=30).check().returns

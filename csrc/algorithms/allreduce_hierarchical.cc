@@ -18,14 +18,13 @@ void allreduceHierarchical(Comm& comm, void* buf, size_t count, DataType dtype, 
   const bool leader = arena == nullptr || arena->localRank() == 0;
   if (leader) {
     Comm& leaderComm = comm.leaderComm();
-    const AllreduceAlgorithm algorithm =
-        selectAllreduceAlgorithm(count * elementSize(dtype), static_cast<int>(leaders.size()));
-    leaderComm.beginWithin(comm, std::string("hierarchical/") + allreduceAlgorithmName(algorithm));
-    switch (algorithm) {
-      case AllreduceAlgorithm::kRing: allreduceRing(leaderComm, buf, count, dtype, op); break;
-      case AllreduceAlgorithm::kTree: allreduceTree(leaderComm, buf, count, dtype, op); break;
-      default: allreduceSharded(leaderComm, buf, count, dtype, op); break;
-    }
+    // Among the leaders only the network algorithms fit (each leader is a host of its own).
+    Topology leaderTopology;
+    leaderTopology.ranks = leaderTopology.hosts = static_cast<int>(leaders.size());
+    const AllreduceAlgorithm& algorithm =
+        chooseAllreduceAlgorithm(count * elementSize(dtype), leaderTopology);
+    leaderComm.beginWithin(comm, std::string("hierarchical/") + algorithm.name);
+    algorithm.run(leaderComm, buf, count, dtype, op);
   }
   // (3) Back inside the host.
   comm.setAlgorithm("hierarchical/shm");

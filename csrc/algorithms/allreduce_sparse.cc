@@ -133,7 +133,7 @@ void accumulate(Comm& comm, int from, const SparseHeader& h, const uint8_t* payl
                 DataType type, float* acc) {
   const size_t valueBytes = elementSize(type);
   auto bad = [&](const char* what) {
-    throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(from),
+    comm.fail(ErrorKind::kConnection, comm.transport().rankName(from),
                " sent a malformed sparse message (", what, ")");
   };
   if (h.format == kDenseFormat) {
@@ -239,7 +239,7 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   std::vector<RequestPtr> recvs(n), sends;
   auto checkAnnounced = [&](int peer, size_t elements) {
     if (headers[peer].payloadBytes > elements * (valueBytes + 10) + 16)
-      throwError(ErrorKind::kConnection, comm.prefix(), ": ", comm.transport().rankName(peer),
+      comm.fail(ErrorKind::kConnection, comm.transport().rankName(peer),
                  " announced ", headers[peer].payloadBytes, " bytes for ", elements, " elements");
     payloads[peer].resize(headers[peer].payloadBytes);
     recvs[peer] = comm.recv(peer, payloads[peer].data(), headers[peer].payloadBytes);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "algorithms/allreduce_registry.h"
 #include "algorithms/comm.h"
 #include "common/dtype.h"
 #include "common/reduce_op.h"
@@ -14,35 +15,8 @@
 
 namespace pycomm {
 
-enum class AllreduceAlgorithm { kAuto, kRing, kTree, kSharded, kShm, kHierarchical };
-
-const char* allreduceAlgorithmName(AllreduceAlgorithm algorithm);
-// Parses "auto" | "ring" | "tree" | "sharded" | "shm" | "hierarchical"; throws a
-// usage error otherwise.
-AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& name);
-// The algorithm kAuto resolves to: shm when every rank shares the node-local
-// arena (`onOneHost`), hierarchical when some but not all ranks share hosts
-// (`hosts` of them, 0 when unknown), else the alpha-beta cost model (select.cc).
-AllreduceAlgorithm selectAllreduceAlgorithm(size_t bytes, int worldSize, bool onOneHost = false,
-                                            int hosts = 0);
-// The same for comm's group.
-AllreduceAlgorithm selectAllreduceAlgorithm(const Comm& comm, size_t bytes);
-// Throws a usage error when `algorithm` cannot run on comm's group (shm needs
-// one host, hierarchical several hosts with shared ones).
-void checkAlgorithmFits(const Comm& comm, AllreduceAlgorithm algorithm);
-// Whether comm's arena spans the whole group (trivially true for one rank).
-inline bool onOneHost(const Comm& comm) {
-  return comm.size() == 1 || (comm.arena() != nullptr && comm.arena()->localSize() == comm.size());
-}
-// Whether the group spans several hosts, some of them with several ranks.
-inline bool hierarchical(const Comm& comm) {
-  const size_t hosts = comm.hostLeaders().size();
-  return hosts > 1 && hosts < static_cast<size_t>(comm.size());
-}
-
-// All-reduce in place. Resolves kAuto, finishes AVG with a division.
-void allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
-               AllreduceAlgorithm algorithm);
+// All-reduce algorithms (their table, auto and the all-reduce entry point are in
+// allreduce_registry.h). Each runs in place with any op but AVG.
 // Pipelined ring: reduce-scatter then all-gather, segment by segment.
 void allreduceRing(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
 // Pipelined binomial tree: reduce to rank 0, then broadcast.

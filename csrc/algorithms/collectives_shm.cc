@@ -196,7 +196,7 @@ void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::v
                         " bytes where ", recvBytes[j], " were expected (tensor sizes differ between ranks?)");
   }
   steps.end();
-  if (!mismatch.empty()) throwError(ErrorKind::kConnection, comm.prefix(), ": ", mismatch);
+  if (!mismatch.empty()) comm.fail(ErrorKind::kConnection, mismatch);
   if (sendBytes[me] > 0 && recvs[me] != sends[me]) std::memcpy(recvs[me], sends[me], sendBytes[me]);
   for (size_t s = 0; s < rounds; ++s) {
     const size_t off = s * sub;

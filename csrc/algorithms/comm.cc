@@ -49,13 +49,13 @@ void Comm::wait(const RequestPtr& request) {
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
     const int peer = request->peer();
     const std::string pending = transport_.describePending(peer);
-    throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
+    fail(ErrorKind::kTimeout, transport_.rankName(rank()), " timed out after ",
                seconds, " s waiting for ",
                peer == kAnySource ? std::string("any rank") : transport_.rankName(peer),
                " (did it call the same collective? is it alive?",
                pending.empty() ? "" : " " + pending, ")");
   }
-  if (request->failed()) throwError(ErrorKind::kConnection, prefix(), ": ", request->error());
+  if (request->failed()) fail(ErrorKind::kConnection, request->error());
 }
 
 void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
@@ -66,12 +66,12 @@ void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
   if (timedOut) {
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
-    throwError(ErrorKind::kTimeout, prefix(), ": ", transport_.rankName(rank()), " timed out after ",
+    fail(ErrorKind::kTimeout, transport_.rankName(rank()), " timed out after ",
                seconds, " s waiting for ", peerName,
                " (did it call the same collective? is it alive? waiting for its counter to reach ",
                value, "; ", arena_->describe(), ")");
   }
-  throwError(ErrorKind::kConnection, prefix(), ": ", failure);
+  fail(ErrorKind::kConnection, failure);
 }
 
 void Comm::waitArenaAll(ShmArena::Phase phase, uint64_t value) {

@@ -40,7 +40,16 @@ class Comm {
   // same op, tag, timeout and deadline.
   void beginWithin(const Comm& outer, const std::string& algorithm);
   const std::string& opName() const { return op_; }
+  // "pycomm <op> (<algorithm>)": the one place runtime errors get their prefix.
   std::string prefix() const;
+  // Throws an Error of `kind`: prefix() + ": " + the arguments, which are also
+  // its detail() (what an aborting rank tells its peers, without the prefix).
+  template <typename... Args>
+  [[noreturn]] void fail(ErrorKind kind, Args&&... args) const {
+    std::string detail = strCat(std::forward<Args>(args)...);
+    std::string message = strCat(prefix(), ": ", detail);  // before detail is moved from
+    throw Error(kind, message, std::move(detail));
+  }
 
   RequestPtr send(int peer, const void* data, size_t bytes) {
     return transport_.isend(peer, tag_, data, bytes);

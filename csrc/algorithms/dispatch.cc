@@ -1,14 +1,16 @@
-// Entry points the backend calls for every collective but all-reduce (which
-// has its own in allreduce.cc): the shared-memory path when every rank of the
-// group shares a host, else the algorithm over the transport. Each names the
-// algorithm it runs, for error messages.
+// Entry points the backend calls for every collective but all-reduce (whose
+// algorithms are a table, allreduce_registry.h): the shared-memory path when
+// every rank of the group shares a host (the same test as the shm all-reduce's),
+// else the algorithm over the transport. Each names the algorithm it runs, for
+// error messages; reduce and reduce-scatter finish AVG here, as allreduce() does.
 #include "algorithms/collectives.h"
+#include "kernels/cpu/reduce.h"
 
 namespace pycomm {
 namespace {
 
 bool useShm(Comm& comm) {
-  if (comm.size() > 1 && onOneHost(comm)) {
+  if (comm.size() > 1 && topologyOf(comm).oneHost) {
     comm.setAlgorithm("shm");
     return true;
   }
@@ -24,9 +26,14 @@ void broadcast(Comm& comm, void* buf, size_t bytes, int root) {
 }
 
 void reduce(Comm& comm, void* acc, size_t count, DataType dtype, ReduceOp op, int root) {
-  if (useShm(comm)) return allreduceShm(comm, acc, count, dtype, op);
-  comm.setAlgorithm("tree");
-  reduceTree(comm, acc, count, dtype, op, root);
+  const ReduceOp reduceAs = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  if (useShm(comm)) {
+    allreduceShm(comm, acc, count, dtype, reduceAs);
+  } else {
+    comm.setAlgorithm("tree");
+    reduceTree(comm, acc, count, dtype, reduceAs, root);
+  }
+  if (op == ReduceOp::kAvg && comm.rank() == root) divideBy(acc, count, dtype, comm.size());
 }
 
 void allgather(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes) {
@@ -37,9 +44,14 @@ void allgather(Comm& comm, const std::vector<char*>& chunks, const std::vector<s
 
 void reduceScatter(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
                    DataType dtype, ReduceOp op) {
-  if (useShm(comm)) return reduceScatterShm(comm, chunks, counts, dtype, op);
-  comm.setAlgorithm("ring");
-  ringReduceScatter(comm, chunks, counts, dtype, op);
+  const ReduceOp reduceAs = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  if (useShm(comm)) {
+    reduceScatterShm(comm, chunks, counts, dtype, reduceAs);
+  } else {
+    comm.setAlgorithm("ring");
+    ringReduceScatter(comm, chunks, counts, dtype, reduceAs);
+  }
+  if (op == ReduceOp::kAvg) divideBy(chunks[comm.rank()], counts[comm.rank()], dtype, comm.size());
 }
 
 void gather(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs, int root) {

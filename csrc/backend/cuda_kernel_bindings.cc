@@ -1,6 +1,6 @@
 // CUDA tensors -> csrc/kernels/cuda/ (see cuda_kernels.h). Compiled only into the
-// CUDA build. NOT YET RUN ON A GPU: compile-checked on a machine without one
-// (tests/test_cuda_build.py); tests/test_cuda.py validates it where a GPU is lent.
+// CUDA build; tests/test_cuda.py validates it where a GPU is lent. What has run
+// where: docs/architecture.md, "CUDA".
 #include "backend/cuda_kernels.h"
 
 #include <c10/cuda/CUDAGuard.h>

@@ -1,5 +1,5 @@
 // CUDA tensors staged through pinned host memory; the design is in cuda_staging.h.
-// Compiled only into the CUDA build. NOT YET RUN ON A GPU.
+// Compiled only into the CUDA build (status: docs/architecture.md, "CUDA").
 #include "backend/cuda_staging.h"
 
 #include <ATen/ATen.h>

@@ -1,7 +1,6 @@
 // CUDA tensors through the CPU collectives: the first, simple path (compiled only
-// into the CUDA build, PYCOMM_WITH_CUDA). NOT YET RUN ON A GPU: it was written and
-// compile-checked on a machine without one; tests/test_cuda.py validates it where
-// a GPU is lent (commands in benchmarks/README.md).
+// into the CUDA build, PYCOMM_WITH_CUDA); tests/test_cuda.py validates it where a
+// GPU is lent. What has run where: docs/architecture.md, "CUDA".
 //
 // ProcessGroupPycommCuda overrides each collective: a call whose tensors are on
 // the CPU goes to ProcessGroupPycomm unchanged; a call with CUDA tensors

@@ -16,10 +16,9 @@
 #include <vector>
 
 #include "backend/cuda_kernels.h"
-#include "backend/tensor_types.h"
 #include "common/error.h"
 #include "common/reduce_op.h"
-#include "backend/tensor_types.h"
+#include "backend/tensor_checks.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/cpu/reduce.h"
 #include "kernels/cpu/topk.h"
@@ -29,37 +28,24 @@ namespace py = pybind11;
 namespace pycomm {
 namespace {
 
-[[noreturn]] void raiseUsage(const std::string& message) { throw py::value_error(message); }
-
 // Runs a kernel call; pycomm usage errors become ValueError.
 template <typename F>
 auto translate(F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const Error& err) {
-    if (err.kind() == ErrorKind::kUsage) raiseUsage(err.what());
+    if (err.kind() == ErrorKind::kUsage) usageError(err.what());
     throw;
   }
 }
 
-void checkFloatTensor(const char* op, const char* name, const at::Tensor& t) {
-  if (t.device().type() != at::kCPU)
-    raiseUsage(std::string("pycomm ") + op + ": " + name + " must be a CPU tensor (got " +
-               t.device().str() + ")");
-  if (t.scalar_type() != at::kFloat)
-    throw py::type_error(std::string("pycomm ") + op + ": " + name + " must be float32 (got " +
-                         std::string(c10::toString(t.scalar_type())) + ")");
-  if (!t.is_contiguous())
-    raiseUsage(std::string("pycomm ") + op + ": " + name + " must be contiguous");
-}
-
 void checkSeed(const char* op, int64_t seed) {
-  if (seed < 0) raiseUsage(std::string("pycomm ") + op + ": seed must be >= 0");
+  if (seed < 0) usageError(std::string("pycomm ") + op + ": seed must be >= 0");
 }
 
 size_t checkBlock(const char* op, int64_t block) {
   if (block < 1)
-    raiseUsage(std::string("pycomm ") + op + ": block must be >= 1 (got " +
+    usageError(std::string("pycomm ") + op + ": block must be >= 1 (got " +
                std::to_string(block) + ")");
   return static_cast<size_t>(block);
 }
@@ -72,7 +58,7 @@ at::Tensor outputOf(const char* op, const std::optional<at::Tensor>& out, int64_
   const at::Tensor& t = *out;
   if (t.device().type() != at::kCPU || t.scalar_type() != dtype || !t.is_contiguous() ||
       t.numel() != numel)
-    raiseUsage(std::string("pycomm ") + op + ": out must be a contiguous CPU " +
+    usageError(std::string("pycomm ") + op + ": out must be a contiguous CPU " +
                std::string(c10::toString(dtype)) + " tensor of " + std::to_string(numel) +
                " elements");
   return t;
@@ -99,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x, double density, boo
       return cudabind::topk(x, k, exact, static_cast<uint64_t>(seed));
     });
 #endif
-  checkFloatTensor("topk", "x", x);
+  checkNamed("topk", "x", x, at::kFloat);
   return translate([&] {
     const size_t n = static_cast<size_t>(x.numel());
     const size_t k = topkCount("topk", n, density);
@@ -123,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x, double density, boo
 }
 
 py::dict topkInfo(const at::Tensor& x, double density, int64_t seed) {
-  checkFloatTensor("topk", "x", x);
+  checkNamed("topk", "x", x, at::kFloat);
   checkSeed("topk", seed);
   return translate([&] {
     const size_t n = static_cast<size_t>(x.numel());
@@ -152,9 +138,9 @@ std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, do
                                           bool exact, int64_t seed) {
   checkSeed("topk_ef", seed);
   if (g.numel() != e.numel())
-    raiseUsage("pycomm topk_ef: g and e must have the same number of elements (got " +
+    usageError("pycomm topk_ef: g and e must have the same number of elements (got " +
                std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
-  if (g.is_same(e)) raiseUsage("pycomm topk_ef: g and e must be different tensors");
+  if (g.is_same(e)) usageError("pycomm topk_ef: g and e must be different tensors");
 #ifdef PYCOMM_WITH_CUDA
   if (g.is_cuda() || e.is_cuda())
     return translate([&] {
@@ -162,8 +148,8 @@ std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, do
       return cudabind::topkEf(g, e, k, exact, static_cast<uint64_t>(seed));
     });
 #endif
-  checkFloatTensor("topk_ef", "g", g);
-  checkFloatTensor("topk_ef", "e", e);
+  checkNamed("topk_ef", "g", g, at::kFloat);
+  checkNamed("topk_ef", "e", e, at::kFloat);
   return translate([&] {
     const size_t n = static_cast<size_t>(g.numel());
     const size_t k = topkCount("topk_ef", n, density);
@@ -203,7 +189,7 @@ at::Tensor quantizeTensor(const at::Tensor& x, int64_t bits, int64_t block, bool
       return cudabind::quantize(x, quantizeOptions("quantize", bits, block, stochastic, seed), outArg);
     });
 #endif
-  checkFloatTensor("quantize", "x", x);
+  checkNamed("quantize", "x", x, at::kFloat);
   return translate([&] {
     const QuantizeOptions opts = quantizeOptions("quantize", bits, block, stochastic, seed);
     const size_t n = static_cast<size_t>(x.numel());
@@ -221,9 +207,9 @@ at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t 
                       bool stochastic, int64_t seed, const std::optional<at::Tensor>& outArg) {
   checkSeed("quantize_ef", seed);
   if (g.numel() != e.numel())
-    raiseUsage("pycomm quantize_ef: g and e must have the same number of elements (got " +
+    usageError("pycomm quantize_ef: g and e must have the same number of elements (got " +
                std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
-  if (g.is_same(e)) raiseUsage("pycomm quantize_ef: g and e must be different tensors");
+  if (g.is_same(e)) usageError("pycomm quantize_ef: g and e must be different tensors");
 #ifdef PYCOMM_WITH_CUDA
   if (g.is_cuda() || e.is_cuda())
     return translate([&] {
@@ -231,8 +217,8 @@ at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t 
                                   outArg);
     });
 #endif
-  checkFloatTensor("quantize_ef", "g", g);
-  checkFloatTensor("quantize_ef", "e", e);
+  checkNamed("quantize_ef", "g", g, at::kFloat);
+  checkNamed("quantize_ef", "e", e, at::kFloat);
   return translate([&] {
     const QuantizeOptions opts = quantizeOptions("quantize_ef", bits, block, stochastic, seed);
     const size_t n = static_cast<size_t>(g.numel());
@@ -249,7 +235,7 @@ at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t 
 
 at::Tensor dequantizeTensor(const at::Tensor& packed, int64_t count, int64_t bits, int64_t block,
                             const std::optional<at::Tensor>& outArg) {
-  if (count < 0) raiseUsage("pycomm dequantize: count must be >= 0");
+  if (count < 0) usageError("pycomm dequantize: count must be >= 0");
 #ifdef PYCOMM_WITH_CUDA
   const bool onCuda = packed.is_cuda();
 #else
@@ -257,14 +243,14 @@ at::Tensor dequantizeTensor(const at::Tensor& packed, int64_t count, int64_t bit
 #endif
   if ((!onCuda && packed.device().type() != at::kCPU) || packed.scalar_type() != at::kByte ||
       !packed.is_contiguous())
-    raiseUsage("pycomm dequantize: packed must be a contiguous CPU uint8 tensor");
+    usageError("pycomm dequantize: packed must be a contiguous CPU uint8 tensor");
   return translate([&] {
     const size_t b = checkBlock("dequantize", block);
     checkQuantizeOptions("dequantize", static_cast<int>(bits), b);
     const size_t n = static_cast<size_t>(count);
     const size_t need = packedSize(n, static_cast<int>(bits), b);
     if (static_cast<size_t>(packed.numel()) != need)
-      raiseUsage("pycomm dequantize: packed holds " + std::to_string(packed.numel()) +
+      usageError("pycomm dequantize: packed holds " + std::to_string(packed.numel()) +
                  " bytes where " + std::to_string(need) + " were expected for count " +
                  std::to_string(n) + ", bits " + std::to_string(bits) + ", block " +
                  std::to_string(b));
@@ -287,7 +273,7 @@ ReduceOp reduceOpNamed(const std::string& name) {
       {"bxor", ReduceOp::kBxor}};
   for (const auto& [key, op] : ops)
     if (name == key) return op;
-  raiseUsage("pycomm reduce: unknown op '" + name +
+  usageError("pycomm reduce: unknown op '" + name +
              "' (sum, product, min, max, band, bor, bxor; AVG is SUM then divide_)");
 }
 
@@ -297,12 +283,12 @@ at::Tensor reduceTensors(const at::Tensor& a, const at::Tensor& b, const std::st
   const ReduceOp op = reduceOpNamed(opName);
   const DataType dtype = toDataType("reduce", a.scalar_type());
   if (b.scalar_type() != a.scalar_type() || b.numel() != a.numel() || b.device() != a.device())
-    raiseUsage("pycomm reduce: a and b must have the same dtype, size and device");
-  if (!a.is_contiguous() || !b.is_contiguous()) raiseUsage("pycomm reduce: tensors must be contiguous");
+    usageError("pycomm reduce: a and b must have the same dtype, size and device");
+  if (!a.is_contiguous() || !b.is_contiguous()) usageError("pycomm reduce: tensors must be contiguous");
   at::Tensor out = outArg ? *outArg : at::empty_like(a);
   if (out.scalar_type() != a.scalar_type() || out.numel() != a.numel() ||
       out.device() != a.device() || !out.is_contiguous())
-    raiseUsage("pycomm reduce: out must be a contiguous tensor like a");
+    usageError("pycomm reduce: out must be a contiguous tensor like a");
   return translate([&] {
     checkReduceSupported("reduce", op, dtype);
 #ifdef PYCOMM_WITH_CUDA
@@ -311,9 +297,9 @@ at::Tensor reduceTensors(const at::Tensor& a, const at::Tensor& b, const std::st
       return out;
     }
 #endif
-    if (!a.device().is_cpu()) raiseUsage("pycomm reduce: tensors must be on the CPU (got " + a.device().str() + ")");
+    if (!a.device().is_cpu()) usageError("pycomm reduce: tensors must be on the CPU (got " + a.device().str() + ")");
     if (out.is_same(b) && !out.is_same(a))
-      raiseUsage("pycomm reduce: on CPU, out may alias a but not b");
+      usageError("pycomm reduce: on CPU, out may alias a but not b");
     if (!out.is_same(a)) out.copy_(a);
     py::gil_scoped_release release;
     reduceInto(out.data_ptr(), b.data_ptr(), static_cast<size_t>(a.numel()), dtype, op);
@@ -324,10 +310,10 @@ at::Tensor reduceTensors(const at::Tensor& a, const at::Tensor& b, const std::st
 // t /= divisor in place (floating dtypes), on CPU or (CUDA build) CUDA tensors.
 at::Tensor divideTensor(at::Tensor& t, int64_t divisor) {
   const DataType dtype = toDataType("divide_", t.scalar_type());
-  if (!isFloating(dtype)) throw py::type_error("pycomm divide_: needs a floating dtype (got " +
+  if (!isFloating(dtype)) typeError("pycomm divide_: needs a floating dtype (got " +
                                                std::string(dataTypeName(dtype)) + ")");
-  if (divisor <= 0) raiseUsage("pycomm divide_: divisor must be > 0");
-  if (!t.is_contiguous()) raiseUsage("pycomm divide_: t must be contiguous");
+  if (divisor <= 0) usageError("pycomm divide_: divisor must be > 0");
+  if (!t.is_contiguous()) usageError("pycomm divide_: t must be contiguous");
   return translate([&] {
 #ifdef PYCOMM_WITH_CUDA
     if (t.is_cuda()) {
@@ -335,7 +321,7 @@ at::Tensor divideTensor(at::Tensor& t, int64_t divisor) {
       return t;
     }
 #endif
-    if (!t.device().is_cpu()) raiseUsage("pycomm divide_: t must be on the CPU (got " + t.device().str() + ")");
+    if (!t.device().is_cpu()) usageError("pycomm divide_: t must be on the CPU (got " + t.device().str() + ")");
     divideBy(t.data_ptr(), static_cast<size_t>(t.numel()), dtype, static_cast<int>(divisor));
     return t;
   });
@@ -343,15 +329,15 @@ at::Tensor divideTensor(at::Tensor& t, int64_t divisor) {
 
 void checkReduceTensor(const char* name, const at::Tensor& t, const at::Tensor& like) {
   if (t.device().type() != at::kCPU)
-    raiseUsage(std::string("pycomm reduce: ") + name + " must be a CPU tensor (got " +
+    usageError(std::string("pycomm reduce: ") + name + " must be a CPU tensor (got " +
                t.device().str() + ")");
-  if (!t.is_contiguous()) raiseUsage(std::string("pycomm reduce: ") + name + " must be contiguous");
+  if (!t.is_contiguous()) usageError(std::string("pycomm reduce: ") + name + " must be contiguous");
   if (t.scalar_type() != like.scalar_type())
-    throw py::type_error(std::string("pycomm reduce: ") + name + " is " +
+    typeError(std::string("pycomm reduce: ") + name + " is " +
                          dataTypeName(toDataType("reduce", t.scalar_type())) + ", the output is " +
                          dataTypeName(toDataType("reduce", like.scalar_type())));
   if (t.numel() != like.numel())
-    raiseUsage(std::string("pycomm reduce: ") + name + " has " + std::to_string(t.numel()) +
+    usageError(std::string("pycomm reduce: ") + name + " has " + std::to_string(t.numel()) +
                " elements, the output has " + std::to_string(like.numel()));
 }
 
@@ -368,7 +354,7 @@ void reduceIntoTensor(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
   for (const at::Tensor* t : {&a, &b}) {
     const char* p = static_cast<const char*>(t->data_ptr());
     if (p != o && p < o + out.nbytes() && o < p + t->nbytes())
-      raiseUsage("pycomm reduce: out partially overlaps an operand (it may only be one of them)");
+      usageError("pycomm reduce: out partially overlaps an operand (it may only be one of them)");
   }
   py::gil_scoped_release release;
   reduceInto(out.data_ptr(), a.data_ptr(), b.data_ptr(), static_cast<size_t>(out.numel()), dtype,
@@ -378,7 +364,7 @@ void reduceIntoTensor(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
 void setCpuIsa(const std::string& name) {
   CpuIsa isa = bestCpuIsa();
   if (name != "auto" && !parseCpuIsa(name, &isa))
-    raiseUsage("pycomm set_cpu_isa: unknown instruction set '" + name +
+    usageError("pycomm set_cpu_isa: unknown instruction set '" + name +
                "' (auto, generic, avx2, avx512)");
   translate([&] { setReduceIsa(isa); });
 }
@@ -407,7 +393,7 @@ void registerKernelBindings(py::module_& m) {
   k.def(
       "topk_count",
       [](int64_t count, double density) {
-        if (count < 0) raiseUsage("pycomm topk: count must be >= 0");
+        if (count < 0) usageError("pycomm topk: count must be >= 0");
         return translate([&] { return topkCount("topk", static_cast<size_t>(count), density); });
       },
       py::arg("count"), py::arg("density"));
@@ -426,7 +412,7 @@ void registerKernelBindings(py::module_& m) {
   k.def(
       "packed_size",
       [](int64_t count, int64_t bits, int64_t block) {
-        if (count < 0) raiseUsage("pycomm packed_size: count must be >= 0");
+        if (count < 0) usageError("pycomm packed_size: count must be >= 0");
         return translate([&] {
           return packedSize(static_cast<size_t>(count), static_cast<int>(bits),
                             checkBlock("packed_size", block));

@@ -8,13 +8,10 @@
 #include <cstring>
 
 #include "backend/store_adapter.h"
-#include "backend/tensor_types.h"
+#include "backend/tensor_checks.h"
 #include "common/logging.h"
 #include "common/stats.h"
-#include "kernels/cpu/reduce.h"
-#include "transport/shm_arena.h"
-#include "transport/shm_segment.h"
-#include "transport/tcp.h"
+#include "transport/bootstrap.h"
 
 #ifdef PYCOMM_WITH_CUDA
 #include "backend/cuda_staging.h"  // stagedBody (CUDA build only)
@@ -22,93 +19,10 @@
 
 namespace pycomm {
 
-DataType toDataType(const char* op, at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return DataType::kFloat32;
-    case at::kDouble: return DataType::kFloat64;
-    case at::kHalf: return DataType::kFloat16;
-    case at::kBFloat16: return DataType::kBFloat16;
-    case at::kChar: return DataType::kInt8;
-    case at::kShort: return DataType::kInt16;
-    case at::kInt: return DataType::kInt32;
-    case at::kLong: return DataType::kInt64;
-    case at::kByte: return DataType::kUInt8;
-    case at::kBool: return DataType::kBool;
-    default:
-      C10_THROW_ERROR(TypeError, std::string("pycomm ") + op + ": unsupported dtype " + c10::toString(type) +
-                                     " (supported: float32, float64, float16, bfloat16, int8, "
-                                     "int16, int32, int64, uint8, bool)");
-  }
-}
-
 namespace {
-
-// The node-local arena's slots per rank; each holds one pipeline segment
-// (PYCOMM_SEGMENT_BYTES, 256 KiB by default: 4 of them stay in L2/L3).
-constexpr int kArenaDepth = 4;
 
 using c10d::OpType;
 using Tensors = std::vector<at::Tensor>;
-
-[[noreturn]] void usage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
-
-std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
-
-DataType checkTensor(const char* op, const at::Tensor& t) {
-  if (!t.defined()) usage(where(op) + "got an undefined tensor");
-  if (t.layout() != at::kStrided)
-    usage(where(op) + "sparse tensors are not supported (call .to_dense() first)");
-  if (!t.device().is_cpu())
-    usage(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
-          " (pycomm is registered for cpu)");
-  if (!t.is_contiguous()) usage(where(op) + "tensors must be contiguous (call .contiguous() first)");
-  return toDataType(op, t.scalar_type());
-}
-
-const at::Tensor& single(const char* op, const Tensors& tensors) {
-  if (tensors.size() != 1)
-    usage(where(op) + "expected exactly one tensor, got " + std::to_string(tensors.size()));
-  checkTensor(op, tensors[0]);
-  return tensors[0];
-}
-
-void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
-               const std::string& what) {
-  checkTensor(op, t);
-  if (t.scalar_type() != like.scalar_type())
-    usage(where(op) + what + " has dtype " + c10::toString(t.scalar_type()) + ", expected " +
-          c10::toString(like.scalar_type()));
-  if (t.numel() != numel)
-    usage(where(op) + what + " has " + std::to_string(t.numel()) + " elements, expected " +
-          std::to_string(numel));
-}
-
-ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dtype) {
-  ReduceOp result;
-  switch (reduceOp.op_) {
-    case c10d::ReduceOp::SUM: result = ReduceOp::kSum; break;
-    case c10d::ReduceOp::AVG: result = ReduceOp::kAvg; break;
-    case c10d::ReduceOp::PRODUCT: result = ReduceOp::kProduct; break;
-    case c10d::ReduceOp::MIN: result = ReduceOp::kMin; break;
-    case c10d::ReduceOp::MAX: result = ReduceOp::kMax; break;
-    case c10d::ReduceOp::BAND: result = ReduceOp::kBand; break;
-    case c10d::ReduceOp::BOR: result = ReduceOp::kBor; break;
-    case c10d::ReduceOp::BXOR: result = ReduceOp::kBxor; break;
-    default: usage(where(op) + "unsupported reduce op (PREMUL_SUM is NCCL-only)");
-  }
-  try {
-    checkReduceSupported(op, result, dtype);
-  } catch (const Error& e) {
-    usage(e.what());
-  }
-  return result;
-}
-
-void checkRank(const char* op, int rank, int size, const char* what) {
-  if (rank < 0 || rank >= size)
-    usage(where(op) + what + " " + std::to_string(rank) + " is outside the group (size " +
-          std::to_string(size) + ")");
-}
 
 char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
@@ -158,97 +72,47 @@ void ProcessGroupPycomm::checkSameCall(Comm& comm, const CallSignature& mine) {
   std::string calls;
   for (int r = 0; r < n && r < 8; ++r)
     calls += strCat(r ? "; " : "", comm.transport().rankName(r), ": ", describeCall(all[r]));
-  throwError(ErrorKind::kUsage, "pycomm ", mine.op,
-             ": ranks made different calls (PYCOMM_CHECK): ", calls, n > 8 ? "; ..." : "");
+  const std::string detail = strCat("ranks made different calls (PYCOMM_CHECK): ", calls, n > 8 ? "; ..." : "");
+  throw Error(ErrorKind::kUsage, strCat("pycomm ", mine.op, ": ", detail), detail);
 }
 
 ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size, GroupConfig config)
     : c10d::Backend(rank, size), config_(std::move(config)) {
-  parseAllreduceAlgorithm(config_.algorithm);  // reject a bad PYCOMM_ALGO before connecting
-  StoreAdapter adapter(store);
-  TcpOptions options;
-  options.bindAddress = config_.bindAddress;
-  options.connectTimeout = config_.timeout;
-  options.storePrefix = config_.storePrefix;
-  if (config_.transport != "auto" && config_.transport != "shm" && config_.transport != "tcp")
-    usage(strCat("pycomm: unknown transport '", config_.transport, "' (expected auto, shm or tcp)"));
-  std::shared_ptr<Transport> transport;
-  std::shared_ptr<ShmArena> arena;
+  setDebugEnabled(config_.debug);
+  GroupTransport bootstrapped;
   try {
-    // TCP first: it names a rank that never joins; once it is up every rank is
-    // here, so the host-key exchange below does not wait on a missing one.
-    transport = std::make_shared<TcpTransport>(rank, size, adapter, options, config_.globalRanks);
-    // Every rank (PYCOMM_TRANSPORT=tcp too) takes part in the host-key exchange
-    // and the vote below, so ranks configured differently never wait on each other.
-    std::vector<int> local;
-    if (size > 1) {
-      // A rank without shared memory is a host of its own for the others.
-      const std::vector<int> leaderOf = hostLeaders(adapter, config_.storePrefix, rank, size,
-                                                    config_.transport == "tcp" ? "tcp" : "");
-      for (int r = 0; r < size && config_.transport != "tcp"; ++r) {
-        if (leaderOf[r] == leaderOf[rank]) local.push_back(r);
-        if (leaderOf[r] == r) hostLeaders_.push_back(r);
-      }
-    }
-    std::string shmFailure = config_.transport == "tcp" ? "PYCOMM_TRANSPORT=tcp" : "";
-    if (local.size() > 1) {
-      try {
-        arena = std::make_shared<ShmArena>(adapter, config_.storePrefix, local, rank, config_.segmentBytes,
-                                           kArenaDepth);
-      } catch (const std::exception& e) {  // store errors are not pycomm::Error
-        shmFailure = e.what();
-      }
-    }
-    // Everyone uses shared memory, or nobody does (algorithm choices must agree);
-    // every rank says how it went before anyone gives up, so nobody waits.
-    if (size > 1) {
-      adapter.set(strCat(config_.storePrefix, "shm-ok/", rank), shmFailure.empty() ? "1" : "0" + shmFailure);
-      std::string why;
-      for (int r = 0; r < size; ++r) {
-        const std::string vote = adapter.get(strCat(config_.storePrefix, "shm-ok/", r));
-        if (vote != "1" && why.empty()) why = strCat(transport->rankName(r), ": ", vote.substr(1));
-      }
-      if (!why.empty() && config_.transport != "tcp") {
-        if (config_.transport == "shm")
-          throwError(ErrorKind::kConnection, "pycomm: shared memory cannot be used (", why,
-                     ") but PYCOMM_TRANSPORT=shm; PYCOMM_TRANSPORT=tcp avoids shared memory");
-        debugLog("shared memory not used (" + why + "); every rank uses TCP only");
-        arena.reset();
-        hostLeaders_.clear();
-      }
-    }
-    if (arena) {
-      std::weak_ptr<Transport> named = transport;
-      arena->setRankNamer([named](int r) {
-        auto t = named.lock();
-        return t ? t->rankName(r) : "rank " + std::to_string(r);
-      });
-    }
+    findAllreduceAlgorithm(config_.algorithm);  // reject a bad PYCOMM_ALGO before connecting
+    StoreAdapter adapter(store);
+    bootstrapped = bootstrapGroup(adapter, rank, size, config_);
   } catch (const Error& e) {
+    if (e.kind() == ErrorKind::kUsage) usageError(e.what());
     C10_THROW_ERROR(DistNetworkError, e.what());
   }
-  group_ = std::make_shared<GroupState>(std::move(transport));
-  group_->setArena(std::move(arena));
+  hostLeaders_ = std::move(bootstrapped.hostLeaders);
+  group_ = std::make_shared<GroupState>(std::move(bootstrapped.transport));
+  group_->setArena(std::move(bootstrapped.arena));
   start();
 }
 
 ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Transport> transport, GroupConfig config)
     : c10d::Backend(transport->rank(), transport->size()), config_(std::move(config)) {
+  setDebugEnabled(config_.debug);
   transport->setGlobalRanks(config_.globalRanks);
   group_ = std::make_shared<GroupState>(std::move(transport));
   start();
 }
 
 void ProcessGroupPycomm::start() {
-  algorithm_ = static_cast<int>(parseAllreduceAlgorithm(config_.algorithm));
   comm_ = std::make_unique<Comm>(group_->transport(), config_.timeout, config_.segmentBytes);
   comm_->setArena(group_->arena());
   comm_->setHostLeaders(hostLeaders_);
   try {
-    checkAlgorithmFits(*comm_, static_cast<AllreduceAlgorithm>(algorithm_.load()));
+    const AllreduceAlgorithm* setting = findAllreduceAlgorithm(config_.algorithm);
+    if (setting != nullptr) checkFits(*setting, topologyOf(*comm_));
+    algorithm_ = setting;
   } catch (const Error& e) {
-    usage(strCat(e.what(), " (PYCOMM_ALGO=", config_.algorithm, ")"));
+    usageError(strCat(e.what(), " (PYCOMM_ALGO=", config_.algorithm, ")"));
   }
   worker_ = std::thread([this] { workerLoop(); });
 }
@@ -331,6 +195,11 @@ void ProcessGroupPycomm::runTask(Task& task) {
       comm_->begin(task.op, task.timeout);
       if (config_.checkCalls && comm_->size() > 1) checkSameCall(*comm_, task.signature);
       task.body(*comm_);
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      group_->fail(message, e.detail());
+      debugLog("failure: " + message);
+      error = makeBackendError(message);
     } catch (const std::exception& e) {
       const std::string message = e.what();
       group_->fail(message);
@@ -358,7 +227,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
   Task task{op, std::move(body), work, effectiveTimeout(timeout), signature};
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
-    if (stopping_) usage(where(op) + "the process group was shut down");
+    if (stopping_) usageError(where(op) + "the process group was shut down");
     if (!asyncOp && queue_.empty() && !busy_) {
       // A blocking call with nothing ahead of it runs here: same order, two
       // thread hand-offs fewer.
@@ -382,28 +251,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
 
 void ProcessGroupPycomm::setAlgorithm(const std::string& name) {
   try {
-    const AllreduceAlgorithm parsed = parseAllreduceAlgorithm(name);
-    checkAlgorithmFits(*comm_, parsed);
-    algorithm_ = static_cast<int>(parsed);
+    const AllreduceAlgorithm* setting = findAllreduceAlgorithm(name);
+    if (setting != nullptr) checkFits(*setting, topologyOf(*comm_));
+    algorithm_ = setting;
   } catch (const Error& e) {
-    usage(e.what());
+    usageError(e.what());
   }
 }
 
-std::string ProcessGroupPycomm::algorithm() const {
-  return allreduceAlgorithmName(static_cast<AllreduceAlgorithm>(algorithm_.load()));
-}
+std::string ProcessGroupPycomm::algorithm() const { return settingName(algorithm_.load()); }
 
 std::string ProcessGroupPycomm::selectAlgorithm(size_t bytes) const {
-  auto chosen = static_cast<AllreduceAlgorithm>(algorithm_.load());
-  if (chosen == AllreduceAlgorithm::kAuto)
-    chosen = selectAllreduceAlgorithm(*comm_, bytes);
-  return allreduceAlgorithmName(chosen);
+  const AllreduceAlgorithm* setting = algorithm_.load();
+  return setting != nullptr ? setting->name : chooseAllreduceAlgorithm(bytes, topologyOf(*comm_)).name;
 }
 
 std::string ProcessGroupPycomm::lastAlgorithm() const {
-  const int last = lastAlgorithm_.load();
-  return last < 0 ? "" : allreduceAlgorithmName(static_cast<AllreduceAlgorithm>(last));
+  const AllreduceAlgorithm* last = lastAlgorithm_.load();
+  return last == nullptr ? "" : last->name;
 }
 
 // ---------------------------------------------------------------- collectives
@@ -428,16 +293,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
   const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);
   return enqueue("allreduce", OpType::ALLREDUCE, tensors,
                  [this, t, dtype, op](Comm& c) {
-                   const size_t bytes = t.nbytes();
-                   auto algorithm = static_cast<AllreduceAlgorithm>(algorithm_.load());
-                   if (algorithm == AllreduceAlgorithm::kAuto)
-                     algorithm = selectAllreduceAlgorithm(c, bytes);
-                   lastAlgorithm_ = static_cast<int>(algorithm);
-                   if (debugEnabled())
-                     debugLog(strCat("allreduce ", bytes, " B on ", c.size(), " ranks: ",
-                                     allreduceAlgorithmName(algorithm)));
-                   pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()), dtype, op,
-                                     algorithm);
+                   lastAlgorithm_ = &pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()),
+                                                       dtype, op, algorithm_.load());
                  },
                  opts.timeout, opts.asyncOp,
                  signature("allreduce", &t, -1, static_cast<int>(op)));
@@ -445,7 +302,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (tensors.empty()) usage(where("allreduce_coalesced") + "got no tensors");
+  if (tensors.empty()) usageError(where("allreduce_coalesced") + "got no tensors");
   const DataType dtype = checkTensor("allreduce_coalesced", tensors[0]);
   for (size_t i = 0; i < tensors.size(); ++i)
     checkLike("allreduce_coalesced", tensors[i], tensors[0], tensors[i].numel(),
@@ -456,9 +313,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
                    Tensors flat;
                    for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
                    at::Tensor buffer = at::cat(flat);
-                   auto algorithm = static_cast<AllreduceAlgorithm>(algorithm_.load());
                    pycomm::allreduce(c, buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
-                                     dtype, op, algorithm);
+                                     dtype, op, algorithm_.load());
                    int64_t offset = 0;
                    for (const auto& t : tensors) {
                      t.view({-1}).copy_(buffer.narrow(0, offset, t.numel()));
@@ -480,10 +336,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
                  [t, dtype, op, root](Comm& c) {
                    // Only the root's tensor changes; other ranks reduce in a copy.
                    at::Tensor acc = c.rank() == root ? t : t.clone();
-                   const ReduceOp as = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-                   pycomm::reduce(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, as, root);
-                   if (op == ReduceOp::kAvg && c.rank() == root)
-                     divideBy(acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, c.size());
+                   pycomm::reduce(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, op, root);
                  },
                  opts.timeout, opts.asyncOp,
                  signature("reduce", &t, -1, static_cast<int>(op), root));
@@ -493,7 +346,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
     std::vector<Tensors>& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
   const at::Tensor& input = single("allgather", inputs);
   if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
-    usage(where("allgather") + "expected one output list of " + std::to_string(getSize()) +
+    usageError(where("allgather") + "expected one output list of " + std::to_string(getSize()) +
           " tensors");
   for (size_t i = 0; i < outputs[0].size(); ++i)
     checkLike("allgather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
@@ -532,11 +385,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     std::vector<Tensors>& outputLists, Tensors& inputs, const c10d::AllgatherOptions& opts) {
   const char* op = "allgather_coalesced";
   if (static_cast<int>(outputLists.size()) != getSize())
-    usage(where(op) + "expected " + std::to_string(getSize()) + " output lists (one per rank)");
+    usageError(where(op) + "expected " + std::to_string(getSize()) + " output lists (one per rank)");
   for (size_t i = 0; i < inputs.size(); ++i) checkTensor(op, inputs[i]);
   for (size_t r = 0; r < outputLists.size(); ++r) {
     if (outputLists[r].size() != inputs.size())
-      usage(where(op) + "output list " + std::to_string(r) + " has " +
+      usageError(where(op) + "output list " + std::to_string(r) + " has " +
             std::to_string(outputLists[r].size()) + " tensors, expected " +
             std::to_string(inputs.size()));
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -565,7 +418,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     Tensors& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
   const char* op = "allgather_into_tensor_coalesced";
   if (outputs.size() != inputs.size())
-    usage(where(op) + "expected as many outputs as inputs");
+    usageError(where(op) + "expected as many outputs as inputs");
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkTensor(op, inputs[i]);
     checkLike(op, outputs[i], inputs[i], inputs[i].numel() * getSize(), "output " + std::to_string(i));
@@ -594,13 +447,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& 
   Tensors outs;
   if (getRank() == root) {
     if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
-      usage(where("gather") + "the root needs one output list of " + std::to_string(getSize()) +
+      usageError(where("gather") + "the root needs one output list of " + std::to_string(getSize()) +
             " tensors");
     for (size_t i = 0; i < outputs[0].size(); ++i)
       checkLike("gather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
     outs = outputs[0];
   } else if (!outputs.empty() && !outputs[0].empty()) {
-    usage(where("gather") + "only the root rank may pass output tensors");
+    usageError(where("gather") + "only the root rank may pass output tensors");
   }
   return enqueue("gather", OpType::GATHER, outs,
                  [input, outs, root](Comm& c) {
@@ -621,13 +474,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
   Tensors ins;
   if (getRank() == root) {
     if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
-      usage(where("scatter") + "the root needs one input list of " + std::to_string(getSize()) +
+      usageError(where("scatter") + "the root needs one input list of " + std::to_string(getSize()) +
             " tensors");
     for (size_t i = 0; i < inputs[0].size(); ++i)
       checkLike("scatter", inputs[0][i], output, output.numel(), "input tensor " + std::to_string(i));
     ins = inputs[0];
   } else if (!inputs.empty() && !inputs[0].empty()) {
-    usage(where("scatter") + "only the root rank may pass input tensors");
+    usageError(where("scatter") + "only the root rank may pass input tensors");
   }
   return enqueue("scatter", OpType::SCATTER, outputs,
                  [output, ins, root](Comm& c) {
@@ -656,11 +509,9 @@ void reduceScatterInto(Comm& c, const Tensors& inputs, const at::Tensor& output,
     counts.push_back(static_cast<size_t>(t.numel()));
     offset += static_cast<size_t>(t.numel());
   }
-  const ReduceOp as = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  pycomm::reduceScatter(c, chunks, counts, dtype, as);
+  pycomm::reduceScatter(c, chunks, counts, dtype, op);  // finishes AVG
   const size_t mine = counts[c.rank()];
   if (mine > 0) std::memcpy(ptr(output), chunks[c.rank()], mine * elementBytes);
-  if (op == ReduceOp::kAvg) divideBy(ptr(output), mine, dtype, c.size());
 }
 
 // `parts` consecutive views of `numel` elements each over a contiguous tensor.
@@ -679,7 +530,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   const DataType dtype = toDataType("reduce_scatter", output.scalar_type());
   const ReduceOp op = toReduceOp("reduce_scatter", opts.reduceOp, dtype);
   if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
-    usage(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
+    usageError(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
           " tensors");
   for (size_t i = 0; i < inputs[0].size(); ++i)
     checkLike("reduce_scatter", inputs[0][i], output, output.numel(),
@@ -711,7 +562,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesced(
     Tensors& outputs, Tensors& inputs, const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter_tensor_coalesced";
-  if (outputs.size() != inputs.size()) usage(where(name) + "expected as many outputs as inputs");
+  if (outputs.size() != inputs.size()) usageError(where(name) + "expected as many outputs as inputs");
   std::vector<std::pair<DataType, ReduceOp>> kinds;
   for (size_t i = 0; i < outputs.size(); ++i) {
     const DataType dtype = checkTensor(name, outputs[i]);
@@ -738,26 +589,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
   checkTensor(name, input);
   checkTensor(name, output);
   if (input.scalar_type() != output.scalar_type())
-    usage(where(name) + "input and output dtypes differ");
+    usageError(where(name) + "input and output dtypes differ");
   const int n = getSize();
   auto plan = [&](const at::Tensor& t, std::vector<int64_t> splits, const char* what) {
     const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
     const size_t rowBytes = rows == 0 ? 0 : t.nbytes() / static_cast<size_t>(rows);
     if (splits.empty()) {
       if (rows % n != 0)
-        usage(where(name) + what + " has " + std::to_string(rows) +
+        usageError(where(name) + what + " has " + std::to_string(rows) +
               " rows, not divisible by the group size " + std::to_string(n));
       splits.assign(n, rows / n);
     }
     if (static_cast<int>(splits.size()) != n)
-      usage(where(name) + what + " splits need " + std::to_string(n) + " entries");
+      usageError(where(name) + what + " splits need " + std::to_string(n) + " entries");
     int64_t total = 0;
     for (int64_t s : splits) {
-      if (s < 0) usage(where(name) + what + " splits must not be negative");
+      if (s < 0) usageError(where(name) + what + " splits must not be negative");
       total += s;
     }
     if (total != rows)
-      usage(where(name) + what + " splits sum to " + std::to_string(total) + " but the tensor has " +
+      usageError(where(name) + what + " splits sum to " + std::to_string(total) + " but the tensor has " +
             std::to_string(rows) + " rows");
     std::vector<size_t> offsets(n), bytes(n);
     size_t offset = 0;
@@ -771,7 +622,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
   auto [sendOffsets, sendBytes] = plan(input, inputSplits, "input");
   auto [recvOffsets, recvBytes] = plan(output, outputSplits, "output");
   if (sendBytes[getRank()] != recvBytes[getRank()])
-    usage(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
+    usageError(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
           " bytes but expects " + std::to_string(recvBytes[getRank()]));
   at::Tensor in = input, out = output;
   return enqueue("alltoall", OpType::ALLTOALL_BASE, {output},
@@ -794,16 +645,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
   const char* name = "alltoall";
   const int n = getSize();
   if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n)
-    usage(where(name) + "expected " + std::to_string(n) + " input and output tensors");
+    usageError(where(name) + "expected " + std::to_string(n) + " input and output tensors");
   for (int i = 0; i < n; ++i) {
     checkTensor(name, inputs[i]);
     checkTensor(name, outputs[i]);
     if (inputs[i].scalar_type() != outputs[0].scalar_type() ||
         outputs[i].scalar_type() != outputs[0].scalar_type())
-      usage(where(name) + "all tensors must have one dtype");
+      usageError(where(name) + "all tensors must have one dtype");
   }
   if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
-    usage(where(name) + "the tensor this rank sends itself differs in size from its output slot");
+    usageError(where(name) + "the tensor this rank sends itself differs in size from its output slot");
   Tensors ins = inputs, outs = outputs;
   return enqueue(name, OpType::ALLTOALL, outs,
                  [ins, outs](Comm& c) {
@@ -836,9 +687,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::pointToPoint(const char* op, 
   const at::Tensor& t = single(op, tensors);
   if (peer != kAnySource) {
     checkRank(op, peer, getSize(), isSend ? "destination rank" : "source rank");
-    if (peer == getRank()) usage(where(op) + "a rank cannot " + op + " to itself");
+    if (peer == getRank()) usageError(where(op) + "a rank cannot " + op + " to itself");
   }
-  if (tag < 0) usage(where(op) + "tags must be non-negative");
+  if (tag < 0) usageError(where(op) + "tags must be non-negative");
   auto work = c10::make_intrusive<PointToPointWork>(getRank(), type, op, tensors, group_,
                                                     config_.timeout, peer);
   const std::string earlier = group_->failure();

@@ -22,6 +22,7 @@
 
 #include "algorithms/collectives.h"
 #include "backend/work.h"
+#include "common/group_config.h"
 #include "transport/transport.h"
 
 namespace pycomm {
@@ -38,24 +39,10 @@ struct CallSignature {
   int32_t reserved = 0;
 };
 
-struct GroupConfig {
-  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  std::string bindAddress = "127.0.0.1";
-  size_t segmentBytes = 256 * 1024;
-  std::string algorithm = "auto";
-  std::vector<int> globalRanks;
-  bool checkCalls = false;
-  // Prefix of pycomm's keys in torch's store; differs per torchrun restart so a new
-  // attempt never reads the addresses the failed one left behind.
-  std::string storePrefix = "pycomm/";
-  // "auto": shared memory among ranks on one host, TCP between hosts; "shm": the
-  // same, but failing to set up shared memory is an error; "tcp": TCP only.
-  std::string transport = "auto";
-};
-
 class ProcessGroupPycomm : public c10d::Backend {
  public:
-  // Bootstraps a TCP mesh through `store` (torch's per-group prefix store).
+  // Bootstraps the group through `store` (torch's per-group prefix store;
+  // transport/bootstrap.h).
   ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                      GroupConfig config);
   // Runs over a given transport (the loopback transport in tests).
@@ -177,8 +164,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::vector<int> hostLeaders_;
   std::shared_ptr<GroupState> group_;
   std::unique_ptr<Comm> comm_;  // used by the worker thread only
-  std::atomic<int> algorithm_{0};
-  std::atomic<int> lastAlgorithm_{-1};
+  // The all-reduce setting (nullptr: auto) and what the last all-reduce ran.
+  std::atomic<const AllreduceAlgorithm*> algorithm_{nullptr};
+  std::atomic<const AllreduceAlgorithm*> lastAlgorithm_{nullptr};
 
   std::mutex queueMutex_;
   std::condition_variable queueCv_;

@@ -10,32 +10,20 @@
 #include <vector>
 
 #include "backend/process_group.h"
+#include "backend/tensor_checks.h"
 
 namespace pycomm {
 namespace {
 
-[[noreturn]] void compressedUsage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
-
-void checkFloat32(const char* op, const char* name, const at::Tensor& t) {
-  const std::string where = std::string("pycomm ") + op + ": ";
-  if (!t.defined()) compressedUsage(where + name + " is undefined");
-  if (!t.device().is_cpu())
-    compressedUsage(where + name + " must be a CPU tensor (got " + t.device().str() + ")");
-  if (t.scalar_type() != at::kFloat)
-    C10_THROW_ERROR(TypeError, where + name + " must be float32 (got " +
-                                   std::string(c10::toString(t.scalar_type())) + ")");
-  if (!t.is_contiguous()) compressedUsage(where + name + " must be contiguous");
-}
-
 void checkResidual(const char* op, const at::Tensor& residual, const at::Tensor& like) {
   if (!residual.defined()) return;
-  checkFloat32(op, "residual", residual);
+  checkNamed(op, "residual", residual, at::kFloat);
   if (residual.numel() != like.numel())
-    compressedUsage(std::string("pycomm ") + op + ": residual has " +
+    usageError(std::string("pycomm ") + op + ": residual has " +
                     std::to_string(residual.numel()) + " elements, expected " +
                     std::to_string(like.numel()));
   if (residual.is_same(like) || residual.data_ptr() == like.data_ptr())
-    compressedUsage(std::string("pycomm ") + op + ": residual must not share memory with the data");
+    usageError(std::string("pycomm ") + op + ": residual must not share memory with the data");
 }
 
 CallSignature compressedSignature(const char* op, int64_t count, int32_t detail) {
@@ -53,12 +41,12 @@ std::vector<size_t> checkSegments(const char* op, const std::vector<int64_t>& se
   std::vector<size_t> lengths;
   int64_t total = 0;
   for (int64_t s : segments) {
-    if (s < 0) compressedUsage(std::string("pycomm ") + op + ": segment lengths must be >= 0");
+    if (s < 0) usageError(std::string("pycomm ") + op + ": segment lengths must be >= 0");
     total += s;
     lengths.push_back(static_cast<size_t>(s));
   }
   if (!segments.empty() && total != count)
-    compressedUsage(std::string("pycomm ") + op + ": segments sum to " + std::to_string(total) +
+    usageError(std::string("pycomm ") + op + ": segments sum to " + std::to_string(total) +
                     " elements but the tensor has " + std::to_string(count));
   return lengths;
 }
@@ -69,16 +57,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
     at::Tensor tensor, at::Tensor residual, std::vector<int64_t> segments, std::vector<int64_t> keys,
     int bits, int64_t block, bool stochastic, int64_t seed, bool asyncOp) {
   const char* op = "allreduce_quantized";
-  checkFloat32(op, "tensor", tensor);
+  checkNamed(op, "tensor", tensor, at::kFloat);
   checkResidual(op, residual, tensor);
   std::vector<size_t> lengths = checkSegments(op, segments, tensor.numel());
   if (!keys.empty() && keys.size() != std::max<size_t>(segments.size(), 1))
-    compressedUsage(std::string("pycomm ") + op + ": " + std::to_string(keys.size()) +
+    usageError(std::string("pycomm ") + op + ": " + std::to_string(keys.size()) +
                     " keys for " + std::to_string(segments.size()) + " segments");
   std::vector<uint64_t> segmentKeys(keys.begin(), keys.end());
   if (block < 1)
-    compressedUsage(std::string("pycomm ") + op + ": block must be >= 1 (got " + std::to_string(block) + ")");
-  if (seed < 0) compressedUsage(std::string("pycomm ") + op + ": seed must be >= 0");
+    usageError(std::string("pycomm ") + op + ": block must be >= 1 (got " + std::to_string(block) + ")");
+  if (seed < 0) usageError(std::string("pycomm ") + op + ": seed must be >= 0");
   QuantizeOptions opts;
   opts.bits = bits;
   opts.block = static_cast<size_t>(block);
@@ -87,7 +75,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
   try {
     checkQuantizeOptions(op, opts.bits, opts.block);
   } catch (const Error& e) {
-    compressedUsage(e.what());
+    usageError(e.what());
   }
   return enqueue(op, c10d::OpType::ALLREDUCE, {tensor},
                  [tensor, residual, lengths, segmentKeys, opts](Comm& c) {
@@ -104,31 +92,31 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
     std::vector<int64_t> segments, const std::string& valueType, double keepDensity, bool asyncOp) {
   const char* op = "allreduce_sparse";
   const std::string where = std::string("pycomm ") + op + ": ";
-  checkFloat32(op, "values", values);
-  checkFloat32(op, "out", out);
+  checkNamed(op, "values", values, at::kFloat);
+  checkNamed(op, "out", out, at::kFloat);
   checkResidual(op, residual, out);
   if (!indices.defined() || !indices.device().is_cpu() || indices.scalar_type() != at::kLong ||
       !indices.is_contiguous())
-    compressedUsage(where + "indices must be a contiguous CPU int64 tensor");
+    usageError(where + "indices must be a contiguous CPU int64 tensor");
   if (indices.numel() != values.numel())
-    compressedUsage(where + "indices and values differ in length (" + std::to_string(indices.numel()) +
+    usageError(where + "indices and values differ in length (" + std::to_string(indices.numel()) +
                     " and " + std::to_string(values.numel()) + ")");
   if (out.data_ptr() == values.data_ptr() && out.numel() > 0)
-    compressedUsage(where + "out must not share memory with values");
+    usageError(where + "out must not share memory with values");
   SparseAllreduceOptions opts;
   if (valueType == "float32") opts.valueType = DataType::kFloat32;
   else if (valueType == "float16") opts.valueType = DataType::kFloat16;
   else if (valueType == "bfloat16") opts.valueType = DataType::kBFloat16;
-  else compressedUsage(where + "value_dtype must be float32, float16 or bfloat16 (got " + valueType + ")");
+  else usageError(where + "value_dtype must be float32, float16 or bfloat16 (got " + valueType + ")");
   if (!(keepDensity >= 0.0 && keepDensity <= 1.0))
-    compressedUsage(where + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
+    usageError(where + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
   opts.keepDensity = keepDensity;
   std::vector<size_t> lengths = checkSegments(op, segments, out.numel());
   try {
     checkSparseInput(op, indices.data_ptr<int64_t>(), static_cast<size_t>(indices.numel()),
                      static_cast<size_t>(out.numel()));
   } catch (const Error& e) {
-    compressedUsage(e.what());
+    usageError(e.what());
   }
   return enqueue(op, c10d::OpType::ALLREDUCE, {out},
                  [indices, values, out, residual, lengths, opts](Comm& c) {

@@ -6,7 +6,7 @@
 
 namespace pycomm {
 
-std::string GroupState::fail(const std::string& message) {
+std::string GroupState::fail(const std::string& message, const std::string& reason) {
   std::string recorded;
   bool first = false;
   {
@@ -18,8 +18,9 @@ std::string GroupState::fail(const std::string& message) {
     recorded = failure_;
   }
   if (first) {
-    if (arena_) arena_->abort(message);
-    transport_->abort(message);
+    const std::string& told = reason.empty() ? message : reason;
+    if (arena_) arena_->abort(told);
+    transport_->abort(told);
   }
   return recorded;
 }

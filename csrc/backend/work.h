@@ -21,8 +21,10 @@ namespace pycomm {
 class GroupState {
  public:
   explicit GroupState(std::shared_ptr<Transport> transport) : transport_(std::move(transport)) {}
-  // Records the first failure and aborts the transport. Returns the recorded failure.
-  std::string fail(const std::string& message);
+  // Records the first failure (`message`) and aborts the arena and the transport,
+  // which tell the peers `reason` (the message without its op prefix; "" for the
+  // message itself). Returns the recorded failure.
+  std::string fail(const std::string& message, const std::string& reason = "");
   std::string failure();
   Transport& transport() { return *transport_; }
   const std::shared_ptr<Transport>& transportPtr() { return transport_; }

@@ -16,12 +16,16 @@ enum class ErrorKind { kUsage, kTimeout, kConnection, kInternal };
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, const std::string& message)
-      : std::runtime_error(message), kind_(kind) {}
+  // `detail`: the message without its "pycomm <op> (<algorithm>): " prefix (empty
+  // when there is none), e.g. what an aborting rank tells its peers.
+  Error(ErrorKind kind, const std::string& message, std::string detail = "")
+      : std::runtime_error(message), kind_(kind), detail_(std::move(detail)) {}
   ErrorKind kind() const { return kind_; }
+  const char* detail() const { return detail_.empty() ? what() : detail_.c_str(); }
 
  private:
   ErrorKind kind_;
+  std::string detail_;
 };
 
 // Concatenates anything streamable into one string.

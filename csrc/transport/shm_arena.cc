@@ -28,8 +28,8 @@ size_t roundUp(size_t value, size_t to) { return (value + to - 1) / to * to; }
 }  // namespace
 
 ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<int> members,
-                   int self, size_t slotBytes, int depth)
-    : members_(std::move(members)), slotBytes_(roundUp(slotBytes, 4096)), depth_(depth) {
+                   int self, size_t slotBytes, int depth, bool spread)
+    : members_(std::move(members)), slotBytes_(roundUp(slotBytes, 4096)), depth_(depth), spread_(spread) {
   auto it = std::find(members_.begin(), members_.end(), self);
   PYCOMM_CHECK_INTERNAL(it != members_.end() && depth_ > 0, "bad arena membership");
   localRank_ = static_cast<int>(it - members_.begin());
@@ -52,8 +52,6 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
   }
   oversubscribed_ = n > static_cast<size_t>(std::max(1, CPU_COUNT(&allowed_)));
   spin_ = oversubscribed_ ? std::chrono::microseconds(2) : std::chrono::microseconds(50);
-  const char* spread = std::getenv("PYCOMM_SHM_SPREAD");
-  spread_ = !(spread != nullptr && std::string(spread) == "0");
 }
 
 std::string ShmArena::rankName(int groupRank) const {

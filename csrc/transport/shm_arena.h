@@ -29,9 +29,10 @@ class ShmArena {
   enum Phase { kPosted = 0, kReduced = 1, kConsumed = 2, kPhases = 3 };
 
   // Collective over `members` (the group ranks on this host, ascending; `self`
-  // among them), through the group's store under `prefix`.
+  // among them), through the group's store under `prefix`. `spread`: an
+  // oversubscribed rank crowded on one CPU moves to a freer one (see waitFor).
   ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<int> members, int self,
-           size_t slotBytes, int depth);
+           size_t slotBytes, int depth, bool spread);
 
   int localRank() const { return localRank_; }
   int localSize() const { return static_cast<int>(members_.size()); }

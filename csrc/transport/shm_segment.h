@@ -1,5 +1,6 @@
-// Shared-memory building blocks for the shm transport and the node-local arena:
-// a POSIX shared-memory segment (0600, named per job, unlinked as soon as every
+// Shared-memory building blocks for the node-local arena (shm_arena.h), over
+// which the shared-memory algorithm family runs (there is no shm transport: TCP
+// carries every byte between ranks that is not in the arena): a POSIX shared-memory segment (0600, named per job, unlinked as soon as every
 // local peer has mapped it), futex waits that work across processes, the "same
 // host" key, and a liveness check for local peers.
 #pragma once

@@ -1,0 +1,99 @@
+#include "backend/tensor_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include "common/error.h"
+
+namespace pycomm {
+
+void usageError(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
+
+void typeError(const std::string& message) { C10_THROW_ERROR(TypeError, message); }
+
+std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
+
+DataType toDataType(const char* op, at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kByte: return DataType::kUInt8;
+    case at::kBool: return DataType::kBool;
+    default:
+      typeError(where(op) + "unsupported dtype " + c10::toString(type) +
+                " (supported: float32, float64, float16, bfloat16, int8, int16, int32, int64, uint8, bool)");
+  }
+}
+
+DataType checkTensor(const char* op, const at::Tensor& t) {
+  if (!t.defined()) usageError(where(op) + "got an undefined tensor");
+  if (t.layout() != at::kStrided)
+    usageError(where(op) + "sparse tensors are not supported (call .to_dense() first)");
+  if (!t.device().is_cpu())
+    usageError(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
+               " (pycomm is registered for cpu)");
+  if (!t.is_contiguous()) usageError(where(op) + "tensors must be contiguous (call .contiguous() first)");
+  return toDataType(op, t.scalar_type());
+}
+
+const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors) {
+  if (tensors.size() != 1)
+    usageError(where(op) + "expected exactly one tensor, got " + std::to_string(tensors.size()));
+  checkTensor(op, tensors[0]);
+  return tensors[0];
+}
+
+void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
+               const std::string& what) {
+  checkTensor(op, t);
+  if (t.scalar_type() != like.scalar_type())
+    usageError(where(op) + what + " has dtype " + c10::toString(t.scalar_type()) + ", expected " +
+               c10::toString(like.scalar_type()));
+  if (t.numel() != numel)
+    usageError(where(op) + what + " has " + std::to_string(t.numel()) + " elements, expected " +
+               std::to_string(numel));
+}
+
+void checkNamed(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
+  if (!t.defined()) usageError(where(op) + name + " is undefined");
+  if (!t.device().is_cpu())
+    usageError(where(op) + name + " must be a CPU tensor (got " + t.device().str() + ")");
+  if (t.scalar_type() != dtype)
+    typeError(where(op) + name + " must be " + dataTypeName(toDataType(op, dtype)) + " (got " +
+              c10::toString(t.scalar_type()) + ")");
+  if (!t.is_contiguous()) usageError(where(op) + name + " must be contiguous");
+}
+
+ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dtype) {
+  ReduceOp result;
+  switch (reduceOp.op_) {
+    case c10d::ReduceOp::SUM: result = ReduceOp::kSum; break;
+    case c10d::ReduceOp::AVG: result = ReduceOp::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: result = ReduceOp::kProduct; break;
+    case c10d::ReduceOp::MIN: result = ReduceOp::kMin; break;
+    case c10d::ReduceOp::MAX: result = ReduceOp::kMax; break;
+    case c10d::ReduceOp::BAND: result = ReduceOp::kBand; break;
+    case c10d::ReduceOp::BOR: result = ReduceOp::kBor; break;
+    case c10d::ReduceOp::BXOR: result = ReduceOp::kBxor; break;
+    default: usageError(where(op) + "unsupported reduce op (PREMUL_SUM is NCCL-only)");
+  }
+  try {
+    checkReduceSupported(op, result, dtype);
+  } catch (const Error& e) {
+    usageError(e.what());
+  }
+  return result;
+}
+
+void checkRank(const char* op, int rank, int size, const char* what) {
+  if (rank < 0 || rank >= size)
+    usageError(where(op) + what + " " + std::to_string(rank) + " is outside the group (size " +
+               std::to_string(size) + ")");
+}
+
+}  // namespace pycomm

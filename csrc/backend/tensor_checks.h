@@ -1,0 +1,40 @@
+// Usage checks on torch arguments, shared by every entry point of the backend
+// layer: the process group's collectives, its compressed collectives and the
+// kernel bindings. They raise at the call, naming the op ("pycomm <op>: ..."):
+// torch's ValueError, or TypeError for a dtype pycomm does not carry.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/reduce_op.h"
+
+namespace pycomm {
+
+[[noreturn]] void usageError(const std::string& message);  // ValueError
+[[noreturn]] void typeError(const std::string& message);   // TypeError
+// "pycomm <op>: ", the prefix of every usage error.
+std::string where(const char* op);
+
+// torch dtype -> DataType; a TypeError naming `op` for dtypes pycomm does not carry.
+DataType toDataType(const char* op, at::ScalarType type);
+// A defined, strided, contiguous CPU tensor of a carried dtype (a collective's argument).
+DataType checkTensor(const char* op, const at::Tensor& t);
+// The one tensor of a single-tensor collective, checked.
+const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors);
+// Checked, with `like`'s dtype and `numel` elements; `what` names it in the error.
+void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
+               const std::string& what);
+// A contiguous CPU tensor of `dtype` called `name` (kernel and compressed-collective
+// arguments; a wrong dtype is a TypeError).
+void checkNamed(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype);
+// c10d reduce op -> ReduceOp, checked against the dtype (AVG floating only, ...).
+ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dtype);
+// `rank` (a root, source or destination; `what` says which) lies in [0, size).
+void checkRank(const char* op, int rank, int size, const char* what);
+
+}  // namespace pycomm

@@ -1,0 +1,100 @@
+"""Builds the tests' C++ (torch-free layers only) with the system compiler: the
+sources of csrc/{common,kernels/cpu,transport,algorithms} compiled once per
+content into a cache (in parallel), then linked into a test binary or into the
+loopback harness module (tests/loopback.py)."""
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+FLAGS = ("-std=c++17", "-O2", "-fPIC", "-pthread")
+LAYERS = ("transport", "algorithms", os.path.join("kernels", "cpu"))
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++) on PATH")
+    return cxx
+
+
+def cache_dir() -> str:
+    path = os.environ.get("PYCOMM_TEST_BUILD_DIR") or os.path.join(
+        tempfile.gettempdir(), f"pycomm-test-build-{os.getuid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _headers_digest() -> bytes:
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(CSRC, "**", "*.h"), recursive=True)):
+        with open(path, "rb") as f:
+            digest.update(path.encode() + f.read())
+    return digest.digest()
+
+
+def _key(paths, extra=()) -> str:
+    digest = hashlib.sha256(_headers_digest() + " ".join((compiler(),) + FLAGS + tuple(extra)).encode())
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(path.encode() + f.read())
+    return digest.hexdigest()[:20]
+
+
+def _compile(source: str, extra=()) -> str:
+    obj = os.path.join(cache_dir(), f"{os.path.basename(source)}-{_key([source], extra)}.o")
+    if not os.path.exists(obj):
+        tmp = f"{obj}.{os.getpid()}.tmp"
+        subprocess.run([compiler(), *FLAGS, *extra, "-I", CSRC, "-c", source, "-o", tmp], check=True,
+                       timeout=600)
+        os.replace(tmp, obj)
+    return obj
+
+
+def library_objects() -> list:
+    """The torch-free layers' objects, compiled (or found in the cache) in parallel."""
+    sources = sorted(s for layer in LAYERS for s in glob.glob(os.path.join(CSRC, layer, "*.cc")))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return list(pool.map(_compile, sources))
+
+
+def binary(main_source: str) -> str:
+    """A test program: `main_source` linked with the library objects."""
+    objects = library_objects()
+    out = os.path.join(cache_dir(), f"{os.path.basename(main_source)}-{_key([main_source] + objects)}")
+    if not os.path.exists(out):
+        main_obj = _compile(main_source)
+        subprocess.run([compiler(), *FLAGS, main_obj, *objects, "-o", f"{out}.tmp"], check=True, timeout=600)
+        os.replace(f"{out}.tmp", out)
+    return out
+
+
+def python_module(name: str, source: str):
+    """A pybind11 module `name` from `source` plus the library objects, imported."""
+    pybind11 = pytest.importorskip("pybind11")
+    includes = ["-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"]]
+    objects = library_objects()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    out = os.path.join(cache_dir(), f"{name}-{_key([source] + objects, includes)}{suffix}")
+    if not os.path.exists(out):
+        module_obj = _compile(source, includes)
+        subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, "-o", f"{out}.tmp"], check=True,
+                       timeout=600)
+        os.replace(f"{out}.tmp", out)
+    spec = importlib.util.spec_from_file_location(name, out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
