@@ -7,6 +7,13 @@
 // Bootstrap: each rank listens on an ephemeral port of `bindAddress`, publishes
 // "address port" under `<prefix>addr/<rank>` in the store, connects to every
 // lower rank and accepts every higher one.
+//
+// Sources, one job each: tcp.cc (construction, abort, destruction),
+// tcp_connect.cc (job secret, listener, address publication, hello exchange),
+// tcp_io.cc (the I/O thread: epoll loop, reading and writing the sockets, abort
+// notices), tcp_match.cc (isend/irecv, matching incoming messages to posted
+// receives, buffering the unexpected ones, failing a lost peer); tcp_socket.h
+// holds their shared fd helpers.
 #pragma once
 
 #include <atomic>
@@ -120,6 +127,7 @@ class TcpTransport : public Transport {
   int listenFd_ = -1;
   int epollFd_ = -1;
   int wakeFd_ = -1;
+  static constexpr uint64_t kWakeId = ~0ull;  // wakeFd_'s epoll id (a peer's is its rank)
   std::atomic<bool> stop_{false};
   std::thread ioThread_;
   std::vector<char> scratch_;
