@@ -81,7 +81,7 @@ void TcpTransport::abort(const std::string& reason) {
       for (auto& posted : p.posted) failed.push_back(posted.request);
       p.posted.clear();
       for (auto& u : p.unexpected)
-        if (u->waiter.request) failed.push_back(u->waiter.request);
+        if (u->claim == Unexpected::Claim::kWaiting) failed.push_back(u->waiter.request);
       p.unexpected.clear();
       if (p.recvRequest) failed.push_back(p.recvRequest);
       p.recvRequest.reset();

@@ -61,11 +61,18 @@ class TcpTransport : public Transport {
   };
   // A message that arrived before its receive was posted.
   struct Unexpected {
+    // Whether a receive claimed it while it was still arriving.
+    enum class Claim {
+      kNone,        // no: a receive posted later may still take it
+      kWaiting,     // `waiter` gets the data when the message ends
+      kMismatched,  // a receive of another size took it and has failed already;
+                    // the rest is read, then dropped
+    };
     uint64_t tag = 0;
     std::vector<char> data;
     bool complete = false;
-    PostedRecv waiter;  // a receive that claimed it while it was still arriving
-    bool waiterFailed = false;  // that receive expected another size and has failed already
+    Claim claim = Claim::kNone;
+    PostedRecv waiter;  // the claiming receive, when kWaiting
   };
   struct PendingSend {
     RequestPtr request;

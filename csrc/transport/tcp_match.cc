@@ -57,42 +57,48 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
                         "bad peer ", peer);
   auto request = std::make_shared<Request>(peer, bytes);
   std::string failure;
-  int deliveredFrom = -1;
+  // What a message that already arrived (or is arriving) did for this receive.
+  enum class Found {
+    kNothing,    // no message: the receive is posted
+    kDelivered,  // a complete one was copied out: the receive completes now
+    kClaimed,    // one still arriving was claimed: completes when the message ends
+  };
+  Found found = Found::kNothing;
+  int deliveredFrom = -1;  // the sender, when kDelivered
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!abortReason_.empty()) {
       failure = abortReason_;
     } else {
       // A message that already arrived (or is arriving) matches first.
-      bool matched = false;
-      for (int source = 0; source < size_ && !matched && failure.empty(); ++source) {
+      for (int source = 0; source < size_ && found == Found::kNothing && failure.empty(); ++source) {
         if (source == rank_ || (peer != kAnySource && source != peer)) continue;
         auto& queue = peers_[source]->unexpected;
         for (auto it = queue.begin(); it != queue.end(); ++it) {
           Unexpected& u = **it;
-          if (u.tag != tag || u.waiter.request) continue;
+          if (u.tag != tag || u.claim != Unexpected::Claim::kNone) continue;
           if (u.data.size() != bytes) {
             failure = strCat(rankName(source), " sent ", u.data.size(), " bytes where ", bytes,
                              " were expected (tensor sizes differ between ranks?)");
             if (u.complete) {
               queue.erase(it);
             } else {  // claim it, so the rest of it is read and dropped
-              u.waiter = {tag, nullptr, 0, std::make_shared<Request>(source, 0)};
-              u.waiterFailed = true;
+              u.claim = Unexpected::Claim::kMismatched;
             }
           } else if (u.complete) {
             if (bytes > 0) std::memcpy(data, u.data.data(), bytes);
             queue.erase(it);
+            found = Found::kDelivered;
             deliveredFrom = source;
           } else {
+            u.claim = Unexpected::Claim::kWaiting;
             u.waiter = {tag, static_cast<char*>(data), bytes, request};
-            deliveredFrom = -3;  // claimed; completes when the message ends
+            found = Found::kClaimed;
           }
-          matched = true;
           break;
         }
       }
-      if (deliveredFrom == -1 && failure.empty()) {
+      if (found == Found::kNothing && failure.empty()) {
         if (peer == kAnySource) {
           anyPosted_.push_back({tag, static_cast<char*>(data), bytes, request});
         } else if (!peers_[peer]->failure.empty()) {
@@ -105,7 +111,7 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
   }
   if (!failure.empty()) {
     request->fail(failure);
-  } else if (deliveredFrom >= 0) {
+  } else if (found == Found::kDelivered) {
     bytesReceived_ += bytes;
     Stats::instance().addReceived(bytes);
     request->complete(deliveredFrom);
@@ -120,7 +126,7 @@ std::string TcpTransport::describePending(int peer) {
   std::string text;
   size_t unmatched = 0;
   for (const auto& u : p.unexpected)
-    if (!u->waiter.request) ++unmatched;
+    if (u->claim == Unexpected::Claim::kNone) ++unmatched;
   if (unmatched > 0) {
     text = strCat(unmatched, " message(s) from ", rankName(peer),
                   " arrived that no receive matched (first tag ", p.unexpected.front()->tag & ~(1ull << 63),
@@ -201,9 +207,9 @@ void TcpTransport::finishIncoming(int peer) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     buffer->complete = true;
-    if (buffer->waiter.request) {
+    if (buffer->claim != Unexpected::Claim::kNone) {
       // Sizes were checked when the receive claimed it; a mismatched one failed then.
-      if (!buffer->waiterFailed) {
+      if (buffer->claim == Unexpected::Claim::kWaiting) {
         waiter = buffer->waiter.request;
         if (!buffer->data.empty())
           std::memcpy(buffer->waiter.data, buffer->data.data(), buffer->data.size());
@@ -239,7 +245,7 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
         ++it;
         continue;
       }
-      if ((*it)->waiter.request) failed.push_back((*it)->waiter.request);
+      if ((*it)->claim == Unexpected::Claim::kWaiting) failed.push_back((*it)->waiter.request);
       it = p.unexpected.erase(it);
     }
   }
