@@ -7,17 +7,15 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <iostream>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "transport/memory_store.h"
 #include "transport/tcp.h"
 #include "transport/wire.h"
 
@@ -25,24 +23,8 @@ using namespace pycomm;
 
 namespace {
 
-struct MemoryStore : KeyValueStore {
-  std::mutex mutex;
-  std::condition_variable cv;
-  std::map<std::string, std::string> values;
-  void set(const std::string& key, const std::string& value) override {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      values[key] = value;
-    }
-    cv.notify_all();
-  }
-  std::string get(const std::string& key) override {
-    std::unique_lock<std::mutex> lock(mutex);
-    if (!cv.wait_for(lock, std::chrono::seconds(20), [&] { return values.count(key) > 0; }))
-      throw std::runtime_error("store timeout for " + key);
-    return values[key];
-  }
-};
+// How long a rank waits for a key in the store the tests rendezvous through.
+constexpr std::chrono::seconds kStoreTimeout{20};
 
 int failures = 0;
 
@@ -62,8 +44,7 @@ std::vector<std::unique_ptr<TcpTransport>> mesh(int n, MemoryStore& store,
     threads.emplace_back([&, r] {
       if (r > 0 && whileConnecting) {
         // Higher ranks wait until the intruder has had its go at rank 0's listener.
-        std::unique_lock<std::mutex> lock(store.mutex);
-        store.cv.wait(lock, [&] { return store.values.count("test/intruder-done") > 0; });
+        store.get("test/intruder-done");
       }
       transports[r] = std::make_unique<TcpTransport>(r, n, store, options);
     });
@@ -94,7 +75,7 @@ bool waitOk(const RequestPtr& request) {
 }
 
 void strayConnectionsAreRejected() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store, [&] {
     const std::string rank0 = store.get("addr/0");
     // 1: garbage bytes; 2: a well-formed hello without the job secret; 3: silence, then close.
@@ -119,7 +100,7 @@ void strayConnectionsAreRejected() {
 }
 
 void abortNoticeNamesTheFirstFailure() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(3, store);
   char buffer[8];
   auto waiting = transports[0]->irecv(2, 1, buffer, sizeof(buffer));
@@ -141,7 +122,7 @@ void abortNoticeNamesTheFirstFailure() {
 }
 
 void sizeMismatchIsReported() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
   std::vector<char> small(400), big(800);
   auto recv = transports[0]->irecv(1, 3, big.data(), big.size());
@@ -158,7 +139,7 @@ void sizeMismatchIsReported() {
 }
 
 void emptyMessagesIntoNullBuffers() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
   bool ok = true;
   for (int i = 0; i < 20000 && ok; ++i) {
