@@ -39,7 +39,7 @@ void Request::complete(int sourceRank) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (state_ != State::kPending) return;
   state_ = State::kDone;
-  sourceRank_ = sourceRank == -2 ? peer_ : sourceRank;
+  sourceRank_ = sourceRank == kSourceIsPeer ? peer_ : sourceRank;
   finishLocked(lock);
 }
 

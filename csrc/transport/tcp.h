@@ -7,6 +7,13 @@
 // Bootstrap: each rank listens on an ephemeral port of `bindAddress`, publishes
 // "address port" under `<prefix>addr/<rank>` in the store, connects to every
 // lower rank and accepts every higher one.
+//
+// Sources, one job each: tcp.cc (construction, abort, destruction),
+// tcp_connect.cc (job secret, listener, address publication, hello exchange),
+// tcp_io.cc (the I/O thread: epoll loop, reading and writing the sockets, abort
+// notices), tcp_match.cc (isend/irecv, matching incoming messages to posted
+// receives, buffering the unexpected ones, failing a lost peer); tcp_socket.h
+// holds their shared fd helpers.
 #pragma once
 
 #include <atomic>
@@ -54,11 +61,18 @@ class TcpTransport : public Transport {
   };
   // A message that arrived before its receive was posted.
   struct Unexpected {
+    // Whether a receive claimed it while it was still arriving.
+    enum class Claim {
+      kNone,        // no: a receive posted later may still take it
+      kWaiting,     // `waiter` gets the data when the message ends
+      kMismatched,  // a receive of another size took it and has failed already;
+                    // the rest is read, then dropped
+    };
     uint64_t tag = 0;
     std::vector<char> data;
     bool complete = false;
-    PostedRecv waiter;  // a receive that claimed it while it was still arriving
-    bool waiterFailed = false;  // that receive expected another size and has failed already
+    Claim claim = Claim::kNone;
+    PostedRecv waiter;  // the claiming receive, when kWaiting
   };
   struct PendingSend {
     RequestPtr request;
@@ -120,6 +134,7 @@ class TcpTransport : public Transport {
   int listenFd_ = -1;
   int epollFd_ = -1;
   int wakeFd_ = -1;
+  static constexpr uint64_t kWakeId = ~0ull;  // wakeFd_'s epoll id (a peer's is its rank)
   std::atomic<bool> stop_{false};
   std::thread ioThread_;
   std::vector<char> scratch_;

@@ -28,6 +28,8 @@ namespace pycomm {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kAnySource = -1;
+// Request::complete's default source rank: the request's own peer().
+constexpr int kSourceIsPeer = -2;
 
 class Request {
  public:
@@ -49,7 +51,7 @@ class Request {
 
   // Completion (called by transports, once). Runs the callback, if any, after
   // releasing the request's lock.
-  void complete(int sourceRank = -2);
+  void complete(int sourceRank = kSourceIsPeer);
   void fail(const std::string& message);
 
   // Runs `callback` once the request completes (at once if it already has).

@@ -7,17 +7,15 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <iostream>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "transport/memory_store.h"
 #include "transport/tcp.h"
 #include "transport/wire.h"
 
@@ -25,24 +23,8 @@ using namespace pycomm;
 
 namespace {
 
-struct MemoryStore : KeyValueStore {
-  std::mutex mutex;
-  std::condition_variable cv;
-  std::map<std::string, std::string> values;
-  void set(const std::string& key, const std::string& value) override {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      values[key] = value;
-    }
-    cv.notify_all();
-  }
-  std::string get(const std::string& key) override {
-    std::unique_lock<std::mutex> lock(mutex);
-    if (!cv.wait_for(lock, std::chrono::seconds(20), [&] { return values.count(key) > 0; }))
-      throw std::runtime_error("store timeout for " + key);
-    return values[key];
-  }
-};
+// How long a rank waits for a key in the store the tests rendezvous through.
+constexpr std::chrono::seconds kStoreTimeout{20};
 
 int failures = 0;
 
@@ -62,8 +44,7 @@ std::vector<std::unique_ptr<TcpTransport>> mesh(int n, MemoryStore& store,
     threads.emplace_back([&, r] {
       if (r > 0 && whileConnecting) {
         // Higher ranks wait until the intruder has had its go at rank 0's listener.
-        std::unique_lock<std::mutex> lock(store.mutex);
-        store.cv.wait(lock, [&] { return store.values.count("test/intruder-done") > 0; });
+        store.get("test/intruder-done");
       }
       transports[r] = std::make_unique<TcpTransport>(r, n, store, options);
     });
@@ -94,7 +75,7 @@ bool waitOk(const RequestPtr& request) {
 }
 
 void strayConnectionsAreRejected() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store, [&] {
     const std::string rank0 = store.get("addr/0");
     // 1: garbage bytes; 2: a well-formed hello without the job secret; 3: silence, then close.
@@ -119,7 +100,7 @@ void strayConnectionsAreRejected() {
 }
 
 void abortNoticeNamesTheFirstFailure() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(3, store);
   char buffer[8];
   auto waiting = transports[0]->irecv(2, 1, buffer, sizeof(buffer));
@@ -141,7 +122,7 @@ void abortNoticeNamesTheFirstFailure() {
 }
 
 void sizeMismatchIsReported() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
   std::vector<char> small(400), big(800);
   auto recv = transports[0]->irecv(1, 3, big.data(), big.size());
@@ -158,7 +139,7 @@ void sizeMismatchIsReported() {
 }
 
 void emptyMessagesIntoNullBuffers() {
-  MemoryStore store;
+  MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
   bool ok = true;
   for (int i = 0; i < 20000 && ok; ++i) {
@@ -176,6 +157,44 @@ void emptyMessagesIntoNullBuffers() {
   expect(ok, "20000 empty messages with null buffers all complete");
 }
 
+// Sends a 64 MiB message from rank 1 and has rank 0 post its receive as soon as
+// the message's header has been read and buffered, so the receive usually
+// claims it while its payload is still arriving (else it finds it complete).
+RequestPtr receiveWhileArriving(std::vector<std::unique_ptr<TcpTransport>>& transports,
+                                const std::vector<char>& sent, std::vector<char>& received) {
+  auto send = transports[1]->isend(0, 5, sent.data(), sent.size());
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (transports[0]->describePending(1).find("arrived that no receive matched") == std::string::npos &&
+         Clock::now() < deadline) {
+  }
+  auto recv = transports[0]->irecv(1, 5, received.data(), received.size());
+  waitOk(send);
+  return recv;
+}
+
+void receivesPostedWhileTheMessageArrives() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  std::vector<char> sent(64 << 20), received(sent.size());
+  for (size_t i = 0; i < sent.size(); ++i) sent[i] = static_cast<char>(i * 131 + 7);
+  auto recv = receiveWhileArriving(transports, sent, received);
+  const bool claimed = !recv->completed();
+  expect(waitOk(recv) && received == sent,
+         std::string("a receive posted after its message began arriving gets all of it (") +
+             (claimed ? "claimed while arriving" : "found complete") + ")");
+  // The same with the wrong size: the receive fails at once, the rest of the
+  // message is dropped, and the stream stays in step.
+  std::vector<char> half(sent.size() / 2);
+  auto mismatched = receiveWhileArriving(transports, sent, half);
+  expect(mismatched->failed() && mismatched->error().find("rank 1 sent 67108864 bytes where 33554432 were "
+                                                          "expected") != std::string::npos,
+         "a receive of another size fails: " + mismatched->error());
+  int value = 9, got = 0;
+  auto next = transports[0]->irecv(1, 6, &got, sizeof(got));
+  transports[1]->isend(0, 6, &value, sizeof(value));
+  expect(waitOk(next) && got == 9, "the next message arrives intact");
+}
+
 }  // namespace
 
 int main() {
@@ -183,6 +202,7 @@ int main() {
   abortNoticeNamesTheFirstFailure();
   sizeMismatchIsReported();
   emptyMessagesIntoNullBuffers();
+  receivesPostedWhileTheMessageArrives();
   std::cout << (failures == 0 ? "all passed" : "FAILURES: " + std::to_string(failures)) << std::endl;
   return failures == 0 ? 0 : 1;
 }
