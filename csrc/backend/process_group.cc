@@ -132,7 +132,7 @@ void ProcessGroupPycomm::shutdown() {
   auto stop = [this] {
     stopWorker();  // runs what is queued, then stops
     if (group_->arena()) group_->arena()->leave();  // local peers still waiting fail now
-    group_->transportPtr()->abort("pycomm: the process group was shut down");
+    group_->transportPtr()->abort("the process group was shut down");
   };
   // Python may drop the last reference with the GIL held, while a future callback
   // on the worker waits for the GIL: release it for the join.
@@ -146,7 +146,7 @@ void ProcessGroupPycomm::shutdown() {
 }
 
 void ProcessGroupPycomm::abort() {
-  group_->fail("pycomm: the process group was aborted");
+  group_->fail("pycomm: the process group was aborted", "the process group was aborted");
   stopWorker();
 }
 

@@ -14,18 +14,6 @@
 #include "common/stats.h"
 
 namespace pycomm {
-namespace {
-
-// Drops the sender's "pycomm <op> (<algorithm>): " prefix from an abort notice's
-// reason; the receiver adds its own.
-std::string withoutOpPrefix(std::string reason) {
-  if (reason.rfind("pycomm", 0) == 0 && reason.find(": ") != std::string::npos)
-    reason = reason.substr(reason.find(": ") + 2);
-  return reason;
-}
-
-}  // namespace
-
 RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t bytes) {
   PYCOMM_CHECK_INTERNAL(peer >= 0 && peer < size_ && peer != rank_, "bad peer ", peer);
   auto request = std::make_shared<Request>(peer, bytes);
@@ -182,8 +170,9 @@ void TcpTransport::finishIncoming(int peer) {
   p.inPayload = false;
   if (p.readingAbort) {
     p.readingAbort = false;
-    const std::string reason =
-        withoutOpPrefix(abortReasonText(p.abortText.data(), p.abortText.size()));
+    // The sender's reason comes without its op prefix (Error::detail()); the
+    // receiver's own errors add theirs.
+    const std::string reason = abortReasonText(p.abortText.data(), p.abortText.size());
     failPeer(peer, strCat(rankName(peer), " aborted the group: ", reason), true);
     return;
   }
