@@ -27,10 +27,7 @@ import datetime
 import importlib.util
 import json
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
-import pickle
 import platform
 import re
 import shutil
@@ -40,10 +37,12 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from pycomm.launch import launch_workers, torchrun_env
 
 __all__ = [
     "BenchConfig",
@@ -342,95 +341,6 @@ class _Run:
     group: Any = None
 
 
-# ---------------------------------------------------------------------------
-# Launching: spawn on this host, or join a torchrun job
-# ---------------------------------------------------------------------------
-
-def _torchrun_env() -> Optional["tuple[int, int]"]:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (rank 0's store binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
-                 payload: Any, result_path: str) -> None:
-    if world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        result = worker(rank, world_size, init_method, payload)
-    except (RuntimeError, ValueError) as exc:
-        if not str(exc).startswith(_PREFIX):
-            raise
-        print(f"{exc} (rank {rank})", file=sys.stderr, flush=True)
-        sys.exit(1)
-    if rank == 0:
-        tmp = result_path + ".tmp"
-        with open(tmp, "wb") as handle:
-            pickle.dump(result, handle)
-        os.replace(tmp, result_path)
-
-
-def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, payload: Any) -> Any:
-    """Run ``worker(rank, world_size, init_method, payload)`` on every rank; return rank 0's result.
-
-    Under torchrun (``RANK``/``WORLD_SIZE`` set), the calling process is one
-    rank: ``worker`` runs here with ``init_method="env://"`` and its own
-    result is returned. Otherwise ``nprocs`` processes are spawned on this
-    host, rendezvous through a ``tcp://127.0.0.1`` store on a free port, and
-    rank 0's return value (which must pickle) comes back. If a
-    worker dies, the others are terminated and ``RuntimeError`` is raised.
-    ``worker`` must be a module-level function.
-    """
-    env = _torchrun_env()
-    if env is not None:
-        rank, world_size = env
-        return worker(rank, world_size, "env://", payload)
-
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pycomm-bench-") as tmpdir:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        result_path = os.path.join(tmpdir, "result.pkl")
-        procs = []
-        for rank in range(nprocs):
-            proc = ctx.Process(
-                target=_spawn_entry,
-                args=(rank, nprocs, init_method, worker, payload, result_path),
-                name=f"pycomm-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            procs.append(proc)
-        try:
-            pending = {proc.sentinel: rank for rank, proc in enumerate(procs)}
-            while pending:
-                for sentinel in multiprocessing.connection.wait(list(pending)):
-                    rank = pending.pop(sentinel)
-                    procs[rank].join()
-                    code = procs[rank].exitcode
-                    if code != 0:
-                        raise RuntimeError(f"{_PREFIX} rank {rank} exited with code {code}")
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-            for proc in procs:
-                proc.join(timeout=10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        if not os.path.exists(result_path):
-            raise RuntimeError(f"{_PREFIX} rank 0 finished without a result")
-        with open(result_path, "rb") as handle:
-            return pickle.load(handle)
-
-
 def _import_pycomm():
     try:
         import pycomm  # noqa: F401  (registers the "pycomm" backend)
@@ -598,7 +508,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "hostname": socket.gethostname(),
         "collective": "allreduce",
         "world_size": world_size,
-        "launcher": "torchrun" if _torchrun_env() else "spawn",
+        "launcher": "torchrun" if torchrun_env() else "spawn",
         "torch_version": torch.__version__,
         "pycomm_version": getattr(pycomm, "__version__", None) if pycomm else None,
         "python_version": platform.python_version(),
@@ -888,7 +798,7 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
     """
     cfg.validate()
     if cfg.mpi:
-        if _torchrun_env() is not None:
+        if torchrun_env() is not None:
             raise RuntimeError(f"{_PREFIX} --mpi starts its own mpirun on this host; "
                                "run pycomm-bench -n N --mpi outside torchrun")
         reason = mpi_unavailable_reason()
@@ -896,18 +806,18 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
             raise RuntimeError(f"{_PREFIX} --mpi: {reason}")
     if cfg.plot_path:
         _import_pyplot()  # fail before the sweep, not after it
-    if "pycomm" in (cfg.backend, cfg.peer) and _torchrun_env() is None:
+    if "pycomm" in (cfg.backend, cfg.peer) and torchrun_env() is None:
         _import_pycomm()  # fail here, once, rather than in every spawned rank
     if cfg.check:
         # Fail fast (before spawning) if the pattern cannot be exact.
-        world = _torchrun_env()[1] if _torchrun_env() else cfg.nprocs
+        world = torchrun_env()[1] if torchrun_env() else cfg.nprocs
         _pattern_period(DTYPES[cfg.dtype], "product" if cfg.op == "prod" else cfg.op, world)
-    result = launch_workers(_bench_worker, cfg.nprocs, cfg)
+    result = launch_workers(_bench_worker, cfg.nprocs, cfg, prefix=_PREFIX, expected_errors=(_PREFIX,))
     if cfg.mpi:
         result = join_mpi(result, _run_mpi_sweep(cfg, result.meta["world_size"]))
         if not cfg.quiet:
             _print_peers(result)
-    env = _torchrun_env()
+    env = torchrun_env()
     if env is None or env[0] == 0:
         if cfg.json_path:
             directory = os.path.dirname(os.path.abspath(cfg.json_path))

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm import bench
+from pycomm.launch import launch_workers, torchrun_env
 
 __all__ = ["DemoConfig", "main", "run_training", "train_config"]
 
@@ -121,11 +122,13 @@ def run_training(cfg: DemoConfig, nprocs: int) -> Dict[str, Any]:
         raise ValueError(f"{_PREFIX} --steps must be at least 1 (got {cfg.steps})")
     if nprocs < 1:
         raise ValueError(f"{_PREFIX} --nprocs must be at least 1 (got {nprocs})")
-    return bench.launch_workers(_training_worker, nprocs, cfg)
+    # The worker checks pycomm with the benchmark's _import_pycomm, whose errors say "pycomm bench:".
+    return launch_workers(_training_worker, nprocs, cfg, prefix="pycomm bench:",
+                          expected_errors=("pycomm bench:",))
 
 
 def _is_rank0() -> bool:
-    env = bench._torchrun_env()
+    env = torchrun_env()
     return env is None or env[0] == 0
 
 
