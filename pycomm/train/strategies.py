@@ -10,7 +10,7 @@ parameters at construction) and tells the trainer two things per optimizer step:
 Strategies:
 
 ``sync``       (:class:`SyncStrategy`) synchronous data parallel: every step averages the
-               gradients through a DDP comm hook (dense ``allreduce_hook``, torch's fp16 /
+               gradients through a DDP comm hook (:func:`pycomm.hooks.allreduce_hook`, torch's fp16 /
                bf16 compress hooks, or any hook registered with :func:`register_hook` or
                named as ``package.module:attribute``).
 ``local_sgd``  (:class:`LocalSGDStrategy`) Lin et al. 2018: after an optional warm-up of
@@ -38,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..hooks import allreduce_hook
+
 __all__ = [
     "allreduce_hook",
     "register_hook",
@@ -57,15 +59,6 @@ _PREFIX = "pycomm train:"
 # ---------------------------------------------------------------------------
 # comm hooks
 # ---------------------------------------------------------------------------
-
-def allreduce_hook(state: Optional[dist.ProcessGroup], bucket):  # returns Future[Tensor]
-    """Dense gradient averaging: one asynchronous all-reduce (SUM) of the bucket, divided by
-    the group size when it completes. ``state`` is the process group (None: default)."""
-    world = dist.get_world_size(state)
-    buffer = bucket.buffer()
-    future = dist.all_reduce(buffer, group=state, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0].div_(world))
-
 
 def _group_state(group):
     return group
