@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 from pycomm import bench
+from pycomm.bench.runners import import_pycomm
+from pycomm.bench.sweep import PREFIX as _BENCH_PREFIX
+from pycomm.launch import launch_workers, torchrun_env
 
 __all__ = ["DemoConfig", "main", "run_training", "train_config"]
 
@@ -79,7 +82,7 @@ def _train(cfg: DemoConfig, group, control) -> Dict[str, Any]:
 def _training_worker(rank: int, world_size: int, init_method: str, cfg: DemoConfig) -> Dict[str, Any]:
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     if cfg.backend == "pycomm":
-        bench._import_pycomm()
+        import_pycomm()
     dist.init_process_group(cfg.backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timeout)
     try:
@@ -121,11 +124,13 @@ def run_training(cfg: DemoConfig, nprocs: int) -> Dict[str, Any]:
         raise ValueError(f"{_PREFIX} --steps must be at least 1 (got {cfg.steps})")
     if nprocs < 1:
         raise ValueError(f"{_PREFIX} --nprocs must be at least 1 (got {nprocs})")
-    return bench.launch_workers(_training_worker, nprocs, cfg)
+    # The worker checks pycomm with the benchmark's import_pycomm, whose errors say "pycomm bench:".
+    return launch_workers(_training_worker, nprocs, cfg, prefix=_BENCH_PREFIX,
+                          expected_errors=(_BENCH_PREFIX,))
 
 
 def _is_rank0() -> bool:
-    env = bench._torchrun_env()
+    env = torchrun_env()
     return env is None or env[0] == 0
 
 
@@ -169,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = run_training(cfg, args.nprocs)
     except (RuntimeError, ValueError) as exc:
         message = str(exc)
-        if not message.startswith(("pycomm bench:", _PREFIX)):
+        if not message.startswith((_BENCH_PREFIX, _PREFIX)):
             message = f"{_PREFIX} {message}"
         print(message, file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -21,9 +22,10 @@ import torch.distributed as dist
 
 import pycomm
 from pycomm import bench
+from pycomm.bench import cli, harness, runners, sweep
 
 # Where the imported pycomm lives, so subprocesses import the same one.
-_PACKAGE_ROOT = str(Path(bench.__file__).resolve().parent.parent)
+_PACKAGE_ROOT = str(Path(pycomm.__file__).resolve().parent.parent)
 _HAS_BACKEND = hasattr(pycomm, "set_algorithm")
 requires_backend = pytest.mark.skipif(not _HAS_BACKEND, reason="pycomm extension not built")
 _MPI_MISSING = bench.mpi_unavailable_reason()
@@ -98,11 +100,11 @@ def test_bandwidth_formulas():
 
 
 def test_iterations_shrink_for_large_sizes():
-    assert bench._iterations_for(2 ** 20, 20, 5) == (20, 5)
-    assert bench._iterations_for(16 * 2 ** 20, 20, 5) == (20, 5)
-    assert bench._iterations_for(32 * 2 ** 20, 20, 5) == (10, 2)
-    assert bench._iterations_for(2 ** 30, 20, 5) == (3, 1)
-    assert bench._iterations_for(2 ** 30, 2, 0) == (2, 0)
+    assert sweep.iterations_for(2 ** 20, 20, 5) == (20, 5)
+    assert sweep.iterations_for(16 * 2 ** 20, 20, 5) == (20, 5)
+    assert sweep.iterations_for(32 * 2 ** 20, 20, 5) == (10, 2)
+    assert sweep.iterations_for(2 ** 30, 20, 5) == (3, 1)
+    assert sweep.iterations_for(2 ** 30, 2, 0) == (2, 0)
 
 
 _REDUCE = {
@@ -123,21 +125,21 @@ def test_check_pattern_closed_form(op, world_size):
         if op == "avg" and not dtype.is_floating_point:
             continue
         try:
-            period = bench._pattern_period(dtype, op, world_size)
+            period = sweep.pattern_period(dtype, op, world_size)
         except ValueError:
             assert name in ("int8", "uint8") and world_size >= 8, (name, op, world_size)
             continue
         count = 3 * period * world_size + 7  # not a multiple of anything in particular
         inputs = torch.stack([
-            bench._tiled(bench._pattern_blocks(op, rank, world_size, period)[0], count, dtype)
+            sweep.tiled(sweep.pattern_blocks(op, rank, world_size, period)[0], count, dtype)
             for rank in range(world_size)
         ])
-        expected = bench._tiled(bench._pattern_blocks(op, 0, world_size, period)[1], count, dtype)
+        expected = sweep.tiled(sweep.pattern_blocks(op, 0, world_size, period)[1], count, dtype)
         reduced = _REDUCE[op](inputs.to(torch.float64)).to(dtype)
-        assert bench._matches(reduced, expected), (name, op, world_size)
-        assert float(inputs.to(torch.float64).abs().max()) <= bench._EXACT_LIMIT[dtype]
+        assert sweep.matches(reduced, expected), (name, op, world_size)
+        assert float(inputs.to(torch.float64).abs().max()) <= sweep.EXACT_LIMIT[dtype]
         # Position-dependent: a chunk moved by one element would not match.
-        assert not bench._matches(expected.roll(1), expected), (name, op, world_size)
+        assert not sweep.matches(expected.roll(1), expected), (name, op, world_size)
 
 
 def test_check_detects_wrong_result(tmp_path, monkeypatch):
@@ -145,18 +147,18 @@ def test_check_detects_wrong_result(tmp_path, monkeypatch):
     cfg = bench.BenchConfig(nprocs=1, min_bytes=64, max_bytes=4096, step_factor=8, iters=2,
                             warmup=1, backend="gloo", peer=None, quiet=True, timeout_s=60)
     init = "file://" + str(tmp_path / "rendezvous_ok")
-    result = bench._bench_worker(0, 1, init, cfg)
+    result = harness.bench_worker(0, 1, init, cfg)
     assert result.ok and {row["check"] for row in result.rows} == {"OK"}
 
-    real = bench._all_reduce_once
+    real = runners.TorchRunner.call
 
-    def corrupting(buffer, run, op):
-        real(buffer, run, op)
+    def corrupting(runner, buffer):
+        real(runner, buffer)
         buffer[-1] += 1
 
-    monkeypatch.setattr(bench, "_all_reduce_once", corrupting)
+    monkeypatch.setattr(runners.TorchRunner, "call", corrupting)
     init = "file://" + str(tmp_path / "rendezvous_bad")
-    result = bench._bench_worker(0, 1, init, cfg)
+    result = harness.bench_worker(0, 1, init, cfg)
     assert not result.ok
     assert [row["check"] for row in result.rows] == ["FAIL"] * 3
     assert not dist.is_initialized()
@@ -166,9 +168,9 @@ def test_main_exit_code_follows_checks(monkeypatch):
     def fake(ok):
         return lambda cfg: bench.BenchResult(meta={}, rows=[], ok=ok)
 
-    monkeypatch.setattr(bench, "run_benchmark", fake(True))
+    monkeypatch.setattr(cli, "run_benchmark", fake(True))
     assert bench.main(["-n", "2"]) == 0
-    monkeypatch.setattr(bench, "run_benchmark", fake(False))
+    monkeypatch.setattr(cli, "run_benchmark", fake(False))
     assert bench.main(["-n", "2"]) == 1
 
 
@@ -294,7 +296,7 @@ def test_write_plot_is_a_png_and_leaves_the_result_alone(tmp_path):
 
 
 def test_mpi_missing_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert "mpirun (Debian: apt-get install openmpi-bin" in bench.mpi_unavailable_reason()
     assert bench.main(["-n", "2", "--mpi", "-e", "64"]) == 1
     assert "pycomm bench: --mpi: needs mpirun" in capsys.readouterr().err

@@ -25,6 +25,7 @@ import os
 import sys
 from typing import Any, Dict, Optional, Sequence
 
+from ..launch import launch_workers, torchrun_env
 from .config import ConfigError, TrainConfig, load_yaml
 
 __all__ = ["main", "build_parser", "parse_config", "run"]
@@ -110,12 +111,6 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> "tuple[TrainConfig, Di
     return TrainConfig.from_dict(values, source=source), launcher
 
 
-def _torchrun_rank() -> Optional["tuple[int, int]"]:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
 def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -154,15 +149,10 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
 
 def run(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None) -> Dict[str, Any]:
     """Train ``cfg`` on ``nprocs`` locally spawned ranks (or as this torchrun rank); rank 0's summary."""
-    from pycomm import bench
-
     try:
-        return bench.launch_workers(_worker, nprocs, (cfg, threads))
-    except RuntimeError as exc:
-        message = str(exc)
-        if message.startswith("pycomm bench:"):
-            message = _PREFIX + message[len("pycomm bench:"):]
-        raise RuntimeError(message) from None
+        return launch_workers(_worker, nprocs, (cfg, threads), prefix=_PREFIX)
+    except RuntimeError as exc:  # a plain RuntimeError: main() names the type in its message
+        raise RuntimeError(str(exc)) from None
 
 
 def _print_summary(summary: Dict[str, Any]) -> None:
@@ -201,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    launched = _torchrun_rank()
+    launched = torchrun_env()
     nprocs = launcher.get("nprocs") or 2
     if nprocs < 1:
         print(f"{_PREFIX} --nprocs must be at least 1", file=sys.stderr)

@@ -10,9 +10,9 @@ parameters at construction) and tells the trainer two things per optimizer step:
 Strategies:
 
 ``sync``       (:class:`SyncStrategy`) synchronous data parallel: every step averages the
-               gradients through a DDP comm hook (dense ``allreduce_hook``, torch's fp16 /
-               bf16 compress hooks, or any hook registered with :func:`register_hook` or
-               named as ``package.module:attribute``).
+               gradients through a DDP comm hook (:func:`pycomm.hooks.allreduce_hook`, torch's
+               fp16 / bf16 compress hooks, pycomm's ``topk`` / ``quantize`` hooks, or any hook
+               registered with :func:`register_hook` or named as ``package.module:attribute``).
 ``local_sgd``  (:class:`LocalSGDStrategy`) Lin et al. 2018: after an optional warm-up of
                synchronous steps, each rank steps on its own gradients and the models are
                averaged every H steps.
@@ -36,7 +36,11 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+
+from .. import hooks
+from ..hooks import allreduce_hook
 
 __all__ = [
     "allreduce_hook",
@@ -58,18 +62,19 @@ _PREFIX = "pycomm train:"
 # comm hooks
 # ---------------------------------------------------------------------------
 
-def allreduce_hook(state: Optional[dist.ProcessGroup], bucket):  # returns Future[Tensor]
-    """Dense gradient averaging: one asynchronous all-reduce (SUM) of the bucket, divided by
-    the group size when it completes. ``state`` is the process group (None: default)."""
-    world = dist.get_world_size(state)
-    buffer = bucket.buffer()
-    future = dist.all_reduce(buffer, group=state, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0].div_(world))
-
-
 def _group_state(group):
     return group
 
+
+# The hooks selectable by name without registering anything: name -> (hook, state factory).
+# The state of the dense and 16-bit hooks is the process group itself.
+_BUILTIN_HOOKS: Dict[str, "tuple[Callable, Callable]"] = {
+    "allreduce": (allreduce_hook, _group_state),
+    "fp16": (default_hooks.fp16_compress_hook, _group_state),
+    "bf16": (default_hooks.bf16_compress_hook, _group_state),
+    "topk": (hooks.topk_hook, hooks.TopKState),
+    "quantize": (hooks.quantize_hook, hooks.QuantizeState),
+}
 
 _HOOKS: Dict[str, "tuple[Callable, Callable]"] = {}
 
@@ -86,26 +91,8 @@ def hook_names() -> "tuple[str, ...]":
 
 
 def _register_builtin_hooks() -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    register_hook("allreduce", allreduce_hook)
-    register_hook("fp16", default_hooks.fp16_compress_hook)
-    register_hook("bf16", default_hooks.bf16_compress_hook)
-    # A later pycomm.hooks module may register more (top-k, quantized) when imported.
-    try:
-        hooks_module = importlib.import_module("pycomm.hooks")
-    except ImportError:
-        return
-    for attr in getattr(hooks_module, "__all__", ()):
-        value = getattr(hooks_module, attr, None)
-        if attr.endswith("_hook") and callable(value) and attr[: -len("_hook")] not in _HOOKS:
-            state_cls = getattr(hooks_module, _state_class_name(attr), None)
-            register_hook(attr[: -len("_hook")], value,
-                          (lambda group, cls=state_cls: cls(group)) if state_cls else _group_state)
-
-
-def _state_class_name(hook_attr: str) -> str:
-    return "".join(word.capitalize() for word in hook_attr[: -len("_hook")].split("_")) + "State"
+    for name, (hook, state_factory) in _BUILTIN_HOOKS.items():
+        register_hook(name, hook, state_factory)
 
 
 def resolve_hook(spec: Any, group=None) -> "tuple[Callable, Any]":

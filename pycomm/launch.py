@@ -1,0 +1,115 @@
+"""Process launcher shared by ``pycomm-bench``, ``pycomm-train`` and the demo.
+
+A *worker* is a module-level function ``worker(rank, world_size, init_method, payload)``.
+:func:`launch_workers` runs it on every rank and returns rank 0's result: under
+``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) the calling process is one rank and joins
+through ``env://``; otherwise it spawns the ranks on this host, which rendezvous through a
+``tcp://127.0.0.1`` store on a free port. pycomm never brings its own cluster manager:
+multi-machine runs go through torchrun.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import sys
+import tempfile
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["free_port", "launch_workers", "torchrun_env"]
+
+
+def torchrun_env() -> Optional[Tuple[int, int]]:
+    """``(rank, world_size)`` when this process was started by torchrun (``RANK`` and
+    ``WORLD_SIZE`` set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (rank 0's store binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
+                 payload: Any, result_path: str, expected_errors: Tuple[str, ...]) -> None:
+    if world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        result = worker(rank, world_size, init_method, payload)
+    except (RuntimeError, ValueError) as exc:
+        if not str(exc).startswith(expected_errors):
+            raise
+        print(f"{exc} (rank {rank})", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if rank == 0:
+        tmp = result_path + ".tmp"
+        with open(tmp, "wb") as handle:
+            pickle.dump(result, handle)
+        os.replace(tmp, result_path)
+
+
+def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, payload: Any, *,
+                   prefix: str = "pycomm launch:", expected_errors: Sequence[str] = ()) -> Any:
+    """Run ``worker(rank, world_size, init_method, payload)`` on every rank; return rank 0's result.
+
+    Under torchrun (``RANK``/``WORLD_SIZE`` set), the calling process is one
+    rank: ``worker`` runs here with ``init_method="env://"`` and its own
+    result is returned. Otherwise ``nprocs`` processes are spawned on this
+    host, rendezvous through a ``tcp://127.0.0.1`` store on a free port, and
+    rank 0's return value (which must pickle) comes back. If a
+    worker dies, the others are terminated and ``RuntimeError`` (its message
+    starting with ``prefix``) is raised. A spawned worker's ``RuntimeError`` or
+    ``ValueError`` whose message starts with one of ``expected_errors`` is printed
+    as one line naming the rank, without a traceback. ``worker`` must be a
+    module-level function.
+    """
+    env = torchrun_env()
+    if env is not None:
+        rank, world_size = env
+        return worker(rank, world_size, "env://", payload)
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pycomm-launch-") as tmpdir:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        result_path = os.path.join(tmpdir, "result.pkl")
+        procs = []
+        for rank in range(nprocs):
+            proc = ctx.Process(
+                target=_spawn_entry,
+                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors)),
+                name=f"pycomm-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        try:
+            pending = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+            while pending:
+                for sentinel in multiprocessing.connection.wait(list(pending)):
+                    rank = pending.pop(sentinel)
+                    procs[rank].join()
+                    code = procs[rank].exitcode
+                    if code != 0:
+                        raise RuntimeError(f"{prefix} rank {rank} exited with code {code}")
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        if not os.path.exists(result_path):
+            raise RuntimeError(f"{prefix} rank 0 finished without a result")
+        with open(result_path, "rb") as handle:
+            return pickle.load(handle)
