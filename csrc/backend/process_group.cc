@@ -131,6 +131,7 @@ void ProcessGroupPycomm::stopWorker() {
 void ProcessGroupPycomm::shutdown() {
   auto stop = [this] {
     stopWorker();  // runs what is queued, then stops
+    completions_.stop();  // completes their futures
     if (group_->arena()) group_->arena()->leave();  // local peers still waiting fail now
     group_->transportPtr()->abort("the process group was shut down");
   };
@@ -172,7 +173,7 @@ void ProcessGroupPycomm::workerLoop() {
       queue_.pop_front();
       busy_ = true;
     }
-    runTask(task);
+    runTask(task, /*inline_=*/false);
     {
       std::lock_guard<std::mutex> lock(queueMutex_);
       busy_ = false;
@@ -181,7 +182,7 @@ void ProcessGroupPycomm::workerLoop() {
   }
 }
 
-void ProcessGroupPycomm::runTask(Task& task) {
+void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
   at::NoGradGuard noGrad;  // scratch copies made here never join an autograd graph
   std::exception_ptr error;
   const auto started = Clock::now();
@@ -211,7 +212,14 @@ void ProcessGroupPycomm::runTask(Task& task) {
   for (const auto& t : task.work->result()) tensorBytes += t.nbytes();
   Stats::instance().recordOp(task.op, std::chrono::duration<double>(Clock::now() - started).count(),
                              tensorBytes, error != nullptr);
-  task.work->markDone(error);
+  if (inline_) {
+    task.work->markDone(error);
+  } else {
+    // wait() returns now; callbacks run off the worker, which may be needed for
+    // a collective one of them waits on (torch's PowerSGD does).
+    task.work->finishWork(error);
+    completions_.post([work = task.work, error] { work->completeFuture(error); });
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpType type,
@@ -228,12 +236,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
     if (stopping_) usageError(where(op) + "the process group was shut down");
+    ++sequence_;
     if (!asyncOp && queue_.empty() && !busy_) {
       // A blocking call with nothing ahead of it runs here: same order, two
       // thread hand-offs fewer.
       busy_ = true;
       lock.unlock();
-      runTask(task);
+      runTask(task, /*inline_=*/true);
       lock.lock();
       busy_ = false;
       // The worker waits for !busy_ only with work queued or a stop pending;

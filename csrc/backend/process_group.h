@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "algorithms/collectives.h"
+#include "backend/completion_pool.h"
 #include "backend/work.h"
 #include "common/group_config.h"
 #include "transport/transport.h"
@@ -54,6 +55,11 @@ class ProcessGroupPycomm : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
   void abort() override;
+  // Sequence numbers (torch's desync checks, object collectives on subgroups):
+  // every rank counts the collectives it submitted, starting from 0, so the
+  // counts agree while the ranks make the same calls. Point-to-point is not counted.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -156,8 +162,10 @@ class ProcessGroupPycomm : public c10d::Backend {
     std::chrono::milliseconds timeout;
     CallSignature signature;
   };
-  // Runs one task to completion (worker thread, or the caller for an inline call).
-  void runTask(Task& task);
+  // Runs one task to completion: on the worker thread, whose Future completions
+  // (and their callbacks) go to completions_, or inline on a blocking caller,
+  // which completes the Future itself (no callback can be attached yet).
+  void runTask(Task& task, bool inline_);
 
   GroupConfig config_;
   // The lowest rank of each host, ascending (empty with PYCOMM_TRANSPORT=tcp).
@@ -168,12 +176,15 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::atomic<const AllreduceAlgorithm*> algorithm_{nullptr};
   std::atomic<const AllreduceAlgorithm*> lastAlgorithm_{nullptr};
 
+  std::atomic<uint64_t> sequence_{0};  // collectives submitted (enqueue)
+
   std::mutex queueMutex_;
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
   bool stopping_ = false;
   bool busy_ = false;  // a task is running (on the worker or inline on a caller)
   std::thread worker_;
+  CompletionPool completions_;  // stopped after the worker
 };
 
 }  // namespace pycomm

@@ -48,8 +48,18 @@ PycommWork::PycommWork(int rank, c10d::OpType opType, const char* profilingTitle
 void PycommWork::markDone(std::exception_ptr error, int sourceRank) {
   sourceRank_ = sourceRank;
   finish(error);
+  completeFuture(error);
+}
+
+void PycommWork::completeFuture(std::exception_ptr error) {
   if (error) future_->setError(error);
   else future_->markCompleted(c10::IValue(outputs_));
+}
+
+bool PycommWork::wait(std::chrono::milliseconds timeout) {
+  const bool done = c10d::Work::wait(timeout);  // throws the work's error
+  future_->wait();
+  return done;
 }
 
 PointToPointWork::PointToPointWork(int rank, c10d::OpType opType, const char* opName,
@@ -70,10 +80,9 @@ void PointToPointWork::attach(const RequestPtr& request) {
   const std::string op = opName_;
   request->onComplete([self, request, op]() {
     if (request->failed()) {
-      // A group-level failure (a timeout, an abort) already carries its prefix.
-      std::string message = request->error();
-      if (message.rfind("pycomm ", 0) != 0) message = "pycomm " + op + ": " + message;
-      self->markDone(makeBackendError(message));
+      // Transport errors come without an op prefix (a group's abort passes on
+      // Error::detail()): this op names itself.
+      self->markDone(makeBackendError("pycomm " + op + ": " + request->error()));
     } else {
       self->markDone(nullptr, request->sourceRank());
     }
@@ -95,8 +104,9 @@ bool PointToPointWork::wait(std::chrono::milliseconds timeout) {
     if (userDeadline) {
       C10_THROW_ERROR(DistBackendError, "pycomm " + opName_ + ": wait() timed out waiting for " + who);
     }
-    group_->fail(c10::str("pycomm ", opName_, ": ", group_->transport().rankName(group_->transport().rank()),
-                          " timed out after ", seconds, " s waiting for ", who));
+    const std::string detail = c10::str(group_->transport().rankName(group_->transport().rank()),
+                                        " timed out after ", seconds, " s waiting for ", who);
+    group_->fail(c10::str("pycomm ", opName_, ": ", detail), detail);
   }
   return c10d::Work::wait(kNoTimeout);
 }

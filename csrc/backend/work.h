@@ -50,6 +50,13 @@ class PycommWork : public c10d::Work {
 
   // Completes the work (and its future): successfully when `error` is null.
   void markDone(std::exception_ptr error, int sourceRank = -1);
+  // The same in two steps: the work (wait() returns), then its future (callbacks
+  // run), the second on another thread (the group's CompletionPool).
+  void finishWork(std::exception_ptr error) { finish(error); }
+  void completeFuture(std::exception_ptr error);
+  // Until the work and its future are complete: a caller may use the future's
+  // value right after wait().
+  bool wait(std::chrono::milliseconds timeout) override;
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }

@@ -104,7 +104,9 @@ void abortNoticeNamesTheFirstFailure() {
   auto transports = mesh(3, store);
   char buffer[8];
   auto waiting = transports[0]->irecv(2, 1, buffer, sizeof(buffer));
-  transports[2]->abort("pycomm allreduce (ring): rank 2 lost the connection to rank 9 (boom)");
+  // The group aborts with the failure's detail (Error::detail(), no op prefix);
+  // the notice carries it verbatim.
+  transports[2]->abort("rank 2 lost the connection to rank 9 (boom)");
   waiting->waitUntil(Clock::now() + std::chrono::seconds(10));
   const std::string error = waiting->error();
   expect(waiting->failed() &&

@@ -1,0 +1,48 @@
+// Where a group's Futures complete, and so where the callbacks attached to them
+// run (DDP comm-hook continuations, torch's PowerSGD, user `then` chains): off the
+// worker thread, so that a callback which issues a collective and waits on it
+// never waits on its own thread (the worker runs the collective meanwhile).
+//
+// One thread normally, completing Futures in submission order. A completion posted
+// while every thread of the pool is inside an earlier callback (a nested wait, or
+// just a slow callback) starts another thread, as gloo's several worker threads
+// would run it; at most kMaxThreads, past which completions queue.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace pycomm {
+
+class CompletionPool {
+ public:
+  static constexpr size_t kMaxThreads = 32;
+
+  CompletionPool() = default;
+  ~CompletionPool() { stop(); }
+  CompletionPool(const CompletionPool&) = delete;
+  CompletionPool& operator=(const CompletionPool&) = delete;
+
+  void post(std::function<void()> completion);
+  // Runs what was posted, then joins the threads. Idempotent; post() after it
+  // runs the completion on the caller's thread.
+  void stop();
+  // Threads started so far (tests).
+  size_t threads();
+
+ private:
+  void loop();
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  size_t idle_ = 0;  // threads waiting for a completion
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace pycomm
