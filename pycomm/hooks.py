@@ -469,11 +469,12 @@ def _pad(indices: torch.Tensor, values: torch.Tensor, k: int):
     return torch.cat([indices, indices.new_zeros(short)]), torch.cat([values, values.new_zeros(short)])
 
 
-def _start_compressed(name, state, state_class, bucket):
+def _start_compressed(name, state, state_class, bucket, kind):
     """The start every compressed hook shares: counts the step and numbers the
     bucket's parameters (also during warm-up, which fixes their ordinals). Returns
-    (buffer, group, world, step, segments, done); `done` is a future when this step needs
-    no compression (an empty bucket, or a dense warm-up step)."""
+    (buffer, group, world, step, segments, done); `done` is a future when this step
+    needs nothing more from the hook: an empty bucket, a dense warm-up step, or the
+    group's compressed collective of `kind` ("topk" / "quantize") under exchange="auto"."""
     _check_state(name, state, state_class)
     buffer = bucket.buffer()
     group = state.process_group
@@ -484,17 +485,16 @@ def _start_compressed(name, state, state_class, bucket):
     segments = state._segments(bucket, buffer)
     if step < state.warmup_steps:
         return buffer, group, world, step, segments, _dense_allreduce(buffer, group, world)
-    return buffer, group, world, step, segments, None
+    fast = _compressed_collective(group, kind) if state.exchange == "auto" else None
+    done = fast(state, buffer, world, step, segments) if fast is not None else None
+    return buffer, group, world, step, segments, done
 
 
 def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
-    buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket)
+    buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket, "topk")
     if done is not None:
         return done
-    fast = _compressed_collective(group, "topk") if state.exchange == "auto" else None
-    if fast is not None:
-        return fast(state, buffer, world, step, segments)
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
         u = None
@@ -579,12 +579,10 @@ class QuantizeState(_CompressionState):
 
 def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Blockwise-quantized gradient averaging with error feedback (see the module docstring)."""
-    buffer, group, world, step, segments, done = _start_compressed("quantize_hook", state, QuantizeState, bucket)
+    buffer, group, world, step, segments, done = _start_compressed("quantize_hook", state, QuantizeState, bucket,
+                                                                   "quantize")
     if done is not None:
         return done
-    fast = _compressed_collective(group, "quantize") if state.exchange == "auto" else None
-    if fast is not None:
-        return fast(state, buffer, world, step, segments)
     bits, block = state.bits, state.block
     stochastic = state.stochastic and bits != 1
     code_parts, scale_parts, layout = [], [], []

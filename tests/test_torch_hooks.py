@@ -87,6 +87,7 @@ def hooks_worker(ctx, variants):
             dist.destroy_process_group()
             dist.init_process_group("gloo", init_method=ctx.init_method("gloo_hooks"), rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=ctx.timeout())
+        ctx.progress(f"{backend}: nested then chain")
         out[(backend, "chain")] = _nested_chain()
         for variant in variants:
             out[(backend, variant)] = _train(ctx, variant)
