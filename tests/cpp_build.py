@@ -98,3 +98,12 @@ def python_module(name: str, source: str):
     spec.loader.exec_module(module)
     sys.modules[name] = module
     return module
+
+
+def run_test_program(main_source: str, timeout: float = 120) -> str:
+    """Builds and runs a C++ test program (tests/cpp/*_test.cc: one line per check);
+    the calling test fails unless it exits 0 having printed "all passed"."""
+    proc = subprocess.run([binary(main_source)], capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout)
+    assert proc.returncode == 0 and "all passed" in proc.stdout, proc.stdout + proc.stderr
+    return proc.stdout

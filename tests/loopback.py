@@ -19,8 +19,6 @@ def build():
     return cpp_build.python_module("pycomm_loopback", f"{cpp_build.ROOT}/tests/cpp/loopback_module.cc")
 
 
-_module = build
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")  # torch.float32 -> "float32", as dtype.h names it
@@ -50,7 +48,7 @@ def collective(collective, tensors, op="sum", algorithm="auto", root=0, segment_
         outputs = [torch.empty_like(t) for t in tensors]
     else:
         outputs = list(tensors)
-    _module().collective(collective, [t.data_ptr() for t in tensors], [o.data_ptr() for o in outputs],
+    build().collective(collective, [t.data_ptr() for t in tensors], [o.data_ptr() for o in outputs],
                          count, _dtype_name(dtypes.pop()), op, algorithm, root, segment_bytes,
                          timeout_seconds)
     return outputs
@@ -70,7 +68,7 @@ def allreduce_quantized(tensors, residuals=None, bits=8, block=256, stochastic=F
         for r, (e, t) in enumerate(zip(residuals, tensors)):
             if e.numel() != t.numel():
                 raise ValueError(f"residual {r} differs in size from its tensor")
-    _module().allreduce_quantized([t.data_ptr() for t in tensors],
+    build().allreduce_quantized([t.data_ptr() for t in tensors],
                                   None if residuals is None else [e.data_ptr() for e in residuals],
                                   count, bits, block, stochastic, seed, list(segments), timeout_seconds)
 
@@ -92,7 +90,7 @@ def allreduce_sparse(indices, values, count, residuals=None, value_dtype="float3
         if any(e.numel() != count for e in residuals):
             raise ValueError("residuals must have `count` elements")
     outputs = [torch.empty(count) for _ in range(n)]
-    sent, kept = _module().allreduce_sparse(
+    sent, kept = build().allreduce_sparse(
         [i.data_ptr() for i in indices], [v.data_ptr() for v in values], [i.numel() for i in indices],
         [o.data_ptr() for o in outputs], count, None if residuals is None else [e.data_ptr() for e in residuals],
         value_dtype, keep_density, list(segments), timeout_seconds)
@@ -101,4 +99,4 @@ def allreduce_sparse(indices, values, count, residuals=None, value_dtype="float3
 
 def set_cpu_isa(name: str) -> None:
     """This module's reduction kernels are its own copy: pick their instruction set."""
-    _module().set_cpu_isa(name)
+    build().set_cpu_isa(name)
