@@ -4,29 +4,32 @@ namespace pycomm {
 
 void CompletionPool::post(std::function<void()> completion) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!stopping_) {
-      queue_.push_back(std::move(completion));
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    State& s = *state_;
+    if (!s.stopping) {
+      s.queue.push_back(std::move(completion));
       // Each queued completion needs a thread that is not inside a callback.
-      if (queue_.size() > idle_ && threads_.size() < kMaxThreads) threads_.emplace_back([this] { loop(); });
-      else cv_.notify_one();
+      if (s.queue.size() > s.idle && s.threads.size() < kMaxThreads) s.threads.emplace_back(loop, state_);
+      else s.cv.notify_one();
       return;
     }
   }
   completion();
 }
 
-void CompletionPool::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+void CompletionPool::loop(std::shared_ptr<State> state) {
+  State& s = *state;  // owned by this thread too: it may outlive the pool (see stop)
+  std::unique_lock<std::mutex> lock(s.mutex);
   while (true) {
-    ++idle_;
-    cv_.wait(lock, [&] { return !queue_.empty() || stopping_; });
-    --idle_;
-    if (queue_.empty()) return;  // stopping, nothing left
-    std::function<void()> completion = std::move(queue_.front());
-    queue_.pop_front();
+    ++s.idle;
+    s.cv.wait(lock, [&] { return !s.queue.empty() || s.stopping; });
+    --s.idle;
+    if (s.queue.empty()) return;  // stopping, nothing left
+    std::function<void()> completion = std::move(s.queue.front());
+    s.queue.pop_front();
     lock.unlock();
     completion();
+    completion = nullptr;  // what it held (Python objects, the group itself) goes here, unlocked
     lock.lock();
   }
 }
@@ -34,18 +37,23 @@ void CompletionPool::loop() {
 void CompletionPool::stop() {
   std::vector<std::thread> threads;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-    threads.swap(threads_);
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
+    threads.swap(state_->threads);
   }
-  cv_.notify_all();
-  for (auto& t : threads)
-    if (t.joinable()) t.join();
+  state_->cv.notify_all();
+  for (auto& t : threads) {
+    // A completion may drop the last reference to the group, whose destructor
+    // stops the pool from that very thread: it finishes on its own, on the
+    // shared state, after the completion returns.
+    if (t.get_id() == std::this_thread::get_id()) t.detach();
+    else if (t.joinable()) t.join();
+  }
 }
 
 size_t CompletionPool::threads() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return threads_.size();
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->threads.size();
 }
 
 }  // namespace pycomm

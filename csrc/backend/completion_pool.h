@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -35,14 +36,19 @@ class CompletionPool {
   size_t threads();
 
  private:
-  void loop();
+  // Shared with the threads, so a thread that outlives the pool (stop() called
+  // from inside one of its completions) still has it.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> queue;
+    size_t idle = 0;  // threads waiting for a completion
+    bool stopping = false;
+    std::vector<std::thread> threads;
+  };
+  static void loop(std::shared_ptr<State> state);
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  size_t idle_ = 0;  // threads waiting for a completion
-  bool stopping_ = false;
-  std::vector<std::thread> threads_;
+  std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
 }  // namespace pycomm
