@@ -43,6 +43,11 @@ std::string Comm::prefix() const {
   return algorithm_.empty() ? strCat("pycomm ", op_) : strCat("pycomm ", op_, " (", algorithm_, ")");
 }
 
+void Comm::letGo(const std::string& reason) const {
+  if (arena_ != nullptr) arena_->abort(reason);
+  transport_.abort(reason);
+}
+
 void Comm::wait(const RequestPtr& request) {
   if (!request->waitUntil(deadline_)) {
     char seconds[32];

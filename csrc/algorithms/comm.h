@@ -44,12 +44,23 @@ class Comm {
   std::string prefix() const;
   // Throws an Error of `kind`: prefix() + ": " + the arguments, which are also
   // its detail() (what an aborting rank tells its peers, without the prefix).
+  // A runtime failure (any kind but kUsage) first makes the transport and the
+  // arena let go of every buffer (letGo()), so the frames the throw unwinds may
+  // free what their receives were posted into.
   template <typename... Args>
   [[noreturn]] void fail(ErrorKind kind, Args&&... args) const {
     std::string detail = strCat(std::forward<Args>(args)...);
     std::string message = strCat(prefix(), ": ", detail);  // before detail is moved from
+    if (kind != ErrorKind::kUsage) letGo(detail);
     throw Error(kind, message, std::move(detail));
   }
+  // Aborts the transport and the arena with `reason` (idempotent; the first
+  // reason is the one peers are told). After it no request of this group is
+  // pending and the transport's I/O thread writes into nothing: the rule that
+  // keeps a failed collective memory-safe is that it leaves early only by a
+  // throw, and every runtime throw passes here first. A runtime failure ends
+  // the group anyway (the backend refuses later calls).
+  void letGo(const std::string& reason) const;
 
   RequestPtr send(int peer, const void* data, size_t bytes) {
     return transport_.isend(peer, tag_, data, bytes);
