@@ -180,3 +180,126 @@ def test_size_mismatch_is_an_error_even_without_check(tmp_path):
     errors = [results[r]["error"] for r in (0, 1)]
     assert all(e is not None for e in errors), results
     assert any("sent 4004 bytes where 4000 were expected" in e for e in errors), errors
+
+
+# Each collective with a rank that stays away (issue #13): the others time out in
+# the middle of it, over TCP, and the buffers their receives were posted into are
+# freed as the error unwinds. The transport must have let go of them first (a
+# use-after-free otherwise; `make test-asan` runs this under AddressSanitizer).
+_ABSENT_RANK_OPS = (
+    "all_reduce ring", "all_reduce tree", "all_reduce sharded", "all_reduce_coalesced",
+    "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "all_to_all_single", "gather", "scatter", "barrier",
+)
+
+
+def _run_op(name, rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+
+    n = 1 << 16
+    if name.startswith("all_reduce "):
+        pycomm.set_algorithm(name.split()[1])
+        dist.all_reduce(torch.ones(n))
+    elif name == "all_reduce_coalesced":
+        dist.all_reduce_coalesced([torch.ones(n), torch.ones(n // 3)])
+    elif name == "broadcast":
+        dist.broadcast(torch.ones(n), src=world - 1)  # the absent rank is the root
+    elif name == "reduce":
+        dist.reduce(torch.ones(n), dst=0)
+    elif name == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(torch.empty(n * world), torch.ones(n))
+    elif name == "reduce_scatter_tensor":
+        dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
+    elif name == "all_to_all_single":
+        dist.all_to_all_single(torch.empty(n * world), torch.ones(n * world))
+    elif name == "gather":
+        dist.gather(torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == 0 else None, dst=0)
+    elif name == "scatter":
+        dist.scatter(torch.empty(n), None, src=world - 1)
+    elif name == "barrier":
+        dist.barrier()
+    else:
+        raise AssertionError(name)
+
+
+def _absent_rank_worker(rank, world, q, rdzv_dir):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401
+
+    torch.set_num_threads(1)
+    os.environ["PYCOMM_TRANSPORT"] = "tcp"
+    os.environ["PYCOMM_CHECK"] = "0"  # the collective itself, not the call check, must time out
+    results = {}
+    for i, name in enumerate(_ABSENT_RANK_OPS):
+        dist.init_process_group("pycomm", init_method=f"file://{rdzv_dir}/op{i}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=1))
+        if rank == world - 1:
+            results[name] = "absent"
+        else:
+            start = time.monotonic()
+            try:
+                _run_op(name, rank, world)
+                results[name] = {"error": None}
+            except Exception as e:  # noqa: BLE001
+                results[name] = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+        dist.destroy_process_group()
+    q.put((rank, results))
+
+
+def test_rank_absent_from_each_collective_over_tcp(tmp_path):
+    world = 3
+    results = _spawn(_absent_rank_worker, world, (str(tmp_path),))
+    assert sorted(results) == list(range(world)), f"ranks reported: {sorted(results)}"
+    for rank in range(world - 1):
+        for name in _ABSENT_RANK_OPS:
+            res = results[rank][name]
+            if res["error"] is None:
+                # Only a rank with nothing to receive may finish (a sender of a
+                # gather, a reduce leaf whose parent buffered its message).
+                assert name in ("gather", "reduce") and rank != 0, (rank, name, res)
+                continue
+            assert "DistBackendError" in res["error"], (rank, name, res)
+            assert "timed out" in res["error"] or "aborted" in res["error"], (rank, name, res)
+            assert "rank 2" in res["error"] or "rank 0" in res["error"] or "rank 1" in res["error"], res
+            assert res["seconds"] < 1 + 5, (rank, name, res)
+
+
+def _kill_in_op_worker(rank, world, q, rdzv, name):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401
+
+    torch.set_num_threads(1)
+    os.environ["PYCOMM_TRANSPORT"] = "tcp"
+    dist.init_process_group("pycomm", init_method=rdzv, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    failure = None
+    for step in range(1000):
+        if rank == world - 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            _run_op(name, rank, world)
+        except Exception as e:  # noqa: BLE001
+            failure = {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+            break
+    dist.destroy_process_group()
+    q.put((rank, failure))
+
+
+@pytest.mark.parametrize("name", ["all_reduce_coalesced", "reduce_scatter_tensor", "all_to_all_single"])
+def test_sigkill_in_collective_over_tcp(tmp_path, name):
+    world = 3
+    results = _spawn(_kill_in_op_worker, world, (f"file://{tmp_path}/rdzv", name))
+    assert sorted(results) == [0, 1], f"survivors reported: {results}"
+    for rank in (0, 1):
+        res = results[rank]
+        assert res is not None and "DistBackendError" in res["error"], res
+        assert "rank 2" in res["error"], res
+        assert res["seconds"] < 20 + 5, res
