@@ -18,7 +18,7 @@ namespace pycomm {
 
 TcpTransport::TcpTransport(int rank, int size, KeyValueStore& store, const TcpOptions& options,
                            std::vector<int> globalRanks)
-    : rank_(rank), size_(size), scratch_(1 << 16) {
+    : rank_(rank), size_(size), maxUnexpectedBytes_(options.maxUnexpectedBytes), scratch_(1 << 16) {
   setGlobalRanks(std::move(globalRanks));
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
   epollFd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -75,6 +75,8 @@ void TcpTransport::abort(const std::string& reason) {
     message = abortReason_;
     for (auto& posted : anyPosted_) failed.push_back(posted.request);
     anyPosted_.clear();
+    unexpectedBytes_ = 0;
+    parkedPeers_ = 0;
     for (auto& peerPtr : peers_) {
       Peer& p = *peerPtr;
       if (p.failure.empty()) p.failure = message;
@@ -83,6 +85,7 @@ void TcpTransport::abort(const std::string& reason) {
       for (auto& u : p.unexpected)
         if (u->claim == Unexpected::Claim::kWaiting) failed.push_back(u->waiter.request);
       p.unexpected.clear();
+      p.parked = false;
       if (p.recvRequest) failed.push_back(p.recvRequest);
       p.recvRequest.reset();
       p.recvBuffer.reset();

@@ -2,7 +2,11 @@
 // I/O thread per transport (epoll). Sends are written from the posting thread
 // when the socket has room (no hand-off for small messages); the rest, and every
 // receive, is driven by the I/O thread. Messages that arrive before their
-// receive is posted are buffered, so a send never waits for the receiver.
+// receive is posted are buffered, so a send never waits for the receiver, up
+// to a budget (TcpOptions::maxUnexpectedBytes): a message that would exceed it
+// is not buffered; its sender's stream is left unread (parked) until a receive
+// for it is posted or buffered messages are taken, so no peer decides how much
+// memory this rank allocates.
 //
 // Bootstrap: each rank listens on an ephemeral port of `bindAddress`, publishes
 // "address port" under `<prefix>addr/<rank>` in the store, connects to every
@@ -34,6 +38,8 @@ struct TcpOptions {
   std::string bindAddress = "127.0.0.1";
   std::chrono::milliseconds connectTimeout{30000};
   std::string storePrefix;
+  // The most payload bytes held for messages no receive has claimed yet.
+  size_t maxUnexpectedBytes = size_t(1) << 30;
 };
 
 class TcpTransport : public Transport {
@@ -63,10 +69,11 @@ class TcpTransport : public Transport {
   struct Unexpected {
     // Whether a receive claimed it while it was still arriving.
     enum class Claim {
-      kNone,        // no: a receive posted later may still take it
-      kWaiting,     // `waiter` gets the data when the message ends
-      kMismatched,  // a receive of another size took it and has failed already;
-                    // the rest is read, then dropped
+      kNone,     // no: a receive posted later may still take it
+      kWaiting,  // `waiter` gets the data when the message ends
+      kDropped,  // a receive took it and has failed already (another size, or
+                 // its peer was lost): the rest is read, then dropped, and no
+                 // receive's buffer is ever written
     };
     uint64_t tag = 0;
     std::vector<char> data;
@@ -91,6 +98,7 @@ class TcpTransport : public Transport {
     std::mutex sendMutex;
     std::deque<PendingSend> sendQueue;
     bool writeArmed = false;
+    bool readPaused = false;  // the epoll interest: EPOLLIN unless paused, EPOLLOUT when armed
     // Receive state machine: touched by the I/O thread only.
     WireHeader header{};
     size_t headerGot = 0;
@@ -100,7 +108,9 @@ class TcpTransport : public Transport {
     size_t payloadGot = 0;
     RequestPtr recvRequest;                  // matched a posted receive
     std::shared_ptr<Unexpected> recvBuffer;  // or is being buffered
-    std::string discardError;                // or is being discarded (size mismatch)
+    bool discarding = false;                 // or is being discarded (size mismatch)
+    bool parked = false;                     // or waits unread: no receive, no budget
+                                             // (written under mutex_)
     bool readingAbort = false;               // or is the peer's abort notice
     std::string abortText;
     std::atomic<uint64_t> messagesIn{0};     // headers read from this peer
@@ -111,7 +121,13 @@ class TcpTransport : public Transport {
   void ioLoop();
   void handleReadable(int peer);
   void handleWritable(int peer);
-  void matchIncoming(int peer);
+  // After a header: points the payload at a posted receive, a buffer, the
+  // discard path, or parks the stream. Returns whether reading may go on.
+  bool matchIncoming(int peer);
+  // Gives each parked stream another chance (a receive was posted, or budget freed).
+  void retryParked();
+  // Stops (or resumes) watching `peer`'s socket for reads, keeping writes armed.
+  void pauseReads(int peer, bool paused);
   void finishIncoming(int peer);
   // Writes what the socket accepts; returns an error text ("" if none).
   std::string flushSends(int peer, std::vector<RequestPtr>& done);
@@ -130,6 +146,9 @@ class TcpTransport : public Transport {
   std::vector<std::unique_ptr<Peer>> peers_;
   std::mutex mutex_;  // match lists, failures, abort state
   std::deque<PostedRecv> anyPosted_;
+  const size_t maxUnexpectedBytes_;
+  size_t unexpectedBytes_ = 0;          // payload bytes of `unexpected` entries
+  std::atomic<int> parkedPeers_{0};
   std::string abortReason_;
   int listenFd_ = -1;
   int epollFd_ = -1;
@@ -141,6 +160,8 @@ class TcpTransport : public Transport {
   uint8_t secret_[kSecretBytes] = {};
   std::atomic<uint64_t> bytesSent_{0};
   std::atomic<uint64_t> bytesReceived_{0};
+
+  friend struct TcpTransportProbe;  // tests/cpp/transport_test.cc looks inside
 };
 
 }  // namespace pycomm

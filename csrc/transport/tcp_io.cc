@@ -33,8 +33,14 @@ void TcpTransport::ioLoop() {
       }
       const int peer = static_cast<int>(events[i].data.u64);
       if (events[i].events & EPOLLOUT) handleWritable(peer);
-      if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) handleReadable(peer);
+      if (peers_[peer]->parked) {
+        // Reads are paused; only a hang-up or an error is reported.
+        if (events[i].events & (EPOLLHUP | EPOLLERR)) failPeer(peer, "the connection failed");
+      } else if (events[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
+        handleReadable(peer);
+      }
     }
+    retryParked();
   }
 }
 
@@ -45,7 +51,7 @@ void TcpTransport::handleReadable(int peer) {
     if (!p.inPayload) {
       n = ::recv(p.fd, reinterpret_cast<char*>(&p.header) + p.headerGot,
                  sizeof(WireHeader) - p.headerGot, MSG_DONTWAIT);
-    } else if (!p.discardError.empty()) {
+    } else if (p.discarding) {
       n = ::recv(p.fd, scratch_.data(), std::min(scratch_.size(), p.payloadBytes - p.payloadGot),
                  MSG_DONTWAIT);
     } else {
@@ -67,7 +73,7 @@ void TcpTransport::handleReadable(int peer) {
         return;
       }
       ++p.messagesIn;
-      matchIncoming(peer);
+      if (!matchIncoming(peer)) return;  // parked: retryParked() goes on from here
       if (p.payloadBytes == 0) finishIncoming(peer);
       else p.inPayload = true;
     } else {
@@ -137,9 +143,17 @@ void TcpTransport::armWrite(int peer, bool on) {
   Peer& p = *peers_[peer];
   p.writeArmed = on;
   epoll_event event{};
-  event.events = on ? (EPOLLIN | EPOLLOUT) : EPOLLIN;
+  event.events = (p.readPaused ? 0 : EPOLLIN) | (on ? EPOLLOUT : 0);
   event.data.u64 = static_cast<uint64_t>(peer);
   epoll_ctl(epollFd_, EPOLL_CTL_MOD, p.fd, &event);
+}
+
+void TcpTransport::pauseReads(int peer, bool paused) {
+  Peer& p = *peers_[peer];
+  std::lock_guard<std::mutex> lock(p.sendMutex);
+  if (p.fd < 0) return;
+  p.readPaused = paused;
+  armWrite(peer, p.writeArmed);
 }
 
 void TcpTransport::wake() {

@@ -69,12 +69,14 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
             failure = strCat(rankName(source), " sent ", u.data.size(), " bytes where ", bytes,
                              " were expected (tensor sizes differ between ranks?)");
             if (u.complete) {
+              unexpectedBytes_ -= u.data.size();
               queue.erase(it);
             } else {  // claim it, so the rest of it is read and dropped
-              u.claim = Unexpected::Claim::kMismatched;
+              u.claim = Unexpected::Claim::kDropped;
             }
           } else if (u.complete) {
             if (bytes > 0) std::memcpy(data, u.data.data(), bytes);
+            unexpectedBytes_ -= u.data.size();
             queue.erase(it);
             found = Found::kDelivered;
             deliveredFrom = source;
@@ -104,6 +106,8 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
     Stats::instance().addReceived(bytes);
     request->complete(deliveredFrom);
   }
+  // A parked stream may be waiting for this receive, or for the budget it freed.
+  if (parkedPeers_.load(std::memory_order_acquire) > 0) wake();
   return request;
 }
 
@@ -122,13 +126,18 @@ std::string TcpTransport::describePending(int peer) {
   } else {
     text = strCat("nothing arrived from ", rankName(peer), " for this operation");
   }
+  if (p.parked)
+    text += strCat("; ", rankName(peer), " announced a message of ", p.header.bytes, " bytes (tag ",
+                   p.header.tag & ~(1ull << 63),
+                   ") that no receive matched; it waits unread, since unexpected messages may hold at most ",
+                   maxUnexpectedBytes_, " bytes (", unexpectedBytes_, " held)");
   text += strCat("; ", p.messagesIn.load(), " messages in and ", p.messagesOut.load(),
                  " out with it, ", p.posted.size(), " receive(s) posted");
   if (!p.posted.empty()) text += strCat(" (first tag ", p.posted.front().tag & ~(1ull << 63), ")");
   return text;
 }
 
-void TcpTransport::matchIncoming(int peer) {
+bool TcpTransport::matchIncoming(int peer) {
   Peer& p = *peers_[peer];
   p.payloadBytes = p.header.bytes;
   p.payloadGot = 0;
@@ -137,32 +146,66 @@ void TcpTransport::matchIncoming(int peer) {
     p.readingAbort = true;
     p.abortText.resize(p.payloadBytes);
     p.dst = p.abortText.data();
-    return;
+    return true;
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto take = [&](std::deque<PostedRecv>& list) {
-    for (auto it = list.begin(); it != list.end(); ++it) {
-      if (it->tag != p.header.tag) continue;
-      p.recvRequest = it->request;
-      if (it->bytes != p.payloadBytes) {
-        p.discardError = strCat(rankName(peer), " sent ", p.payloadBytes, " bytes where ",
-                                it->bytes, " were expected (tensor sizes differ between ranks?)");
-      } else {
-        p.dst = it->data;
+  RequestPtr mismatched;  // a receive of another size: it fails now, the payload is dropped
+  std::string mismatch;
+  const bool wasParked = p.parked;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto take = [&](std::deque<PostedRecv>& list) {
+      for (auto it = list.begin(); it != list.end(); ++it) {
+        if (it->tag != p.header.tag) continue;
+        if (it->bytes != p.payloadBytes) {
+          mismatched = it->request;
+          mismatch = strCat(rankName(peer), " sent ", p.payloadBytes, " bytes where ", it->bytes,
+                            " were expected (tensor sizes differ between ranks?)");
+          p.discarding = true;
+        } else {
+          p.recvRequest = it->request;
+          p.dst = it->data;
+        }
+        list.erase(it);
+        return true;
       }
-      list.erase(it);
-      return true;
+      return false;
+    };
+    const bool placed = take(p.posted) || take(anyPosted_);
+    const bool overBudget = !placed && p.payloadBytes > maxUnexpectedBytes_ - std::min(unexpectedBytes_, maxUnexpectedBytes_);
+    if (overBudget != p.parked) {
+      p.parked = overBudget;
+      parkedPeers_ += overBudget ? 1 : -1;
     }
-    return false;
-  };
-  if (take(p.posted) || take(anyPosted_)) return;
-  auto buffer = std::make_shared<Unexpected>();
-  Stats::instance().addBuffered(p.payloadBytes);
-  buffer->tag = p.header.tag;
-  buffer->data.resize(p.payloadBytes);
-  p.dst = buffer->data.data();
-  p.recvBuffer = buffer;
-  p.unexpected.push_back(std::move(buffer));
+    if (!placed && !overBudget) {
+      auto buffer = std::make_shared<Unexpected>();
+      Stats::instance().addBuffered(p.payloadBytes);
+      buffer->tag = p.header.tag;
+      buffer->data.resize(p.payloadBytes);
+      unexpectedBytes_ += p.payloadBytes;
+      p.dst = buffer->data.data();
+      p.recvBuffer = buffer;
+      p.unexpected.push_back(std::move(buffer));
+    }
+  }
+  if (mismatched) mismatched->fail(mismatch);
+  if (p.parked != wasParked) pauseReads(peer, p.parked);
+  return !p.parked;
+}
+
+void TcpTransport::retryParked() {
+  if (parkedPeers_.load(std::memory_order_acquire) == 0) return;
+  for (int peer = 0; peer < size_; ++peer) {
+    Peer& p = *peers_[peer];
+    if (!p.parked) continue;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!p.failure.empty()) continue;  // its hang-up is handled by the I/O loop
+    }
+    if (!matchIncoming(peer)) continue;  // still no receive and no budget
+    if (p.payloadBytes == 0) finishIncoming(peer);
+    else p.inPayload = true;
+    handleReadable(peer);  // what waited in the socket
+  }
 }
 
 void TcpTransport::finishIncoming(int peer) {
@@ -176,20 +219,18 @@ void TcpTransport::finishIncoming(int peer) {
     failPeer(peer, strCat(rankName(peer), " aborted the group: ", reason), true);
     return;
   }
+  if (p.discarding) {  // its receive failed when the header arrived
+    p.discarding = false;
+    return;
+  }
   RequestPtr request = std::move(p.recvRequest);
   std::shared_ptr<Unexpected> buffer = std::move(p.recvBuffer);
-  std::string discardError = std::move(p.discardError);
   p.recvRequest.reset();
   p.recvBuffer.reset();
-  p.discardError.clear();
   if (request) {
-    if (!discardError.empty()) {
-      request->fail(discardError);
-    } else {
-      bytesReceived_ += p.payloadBytes;
-      Stats::instance().addReceived(p.payloadBytes);
-      request->complete(peer);
-    }
+    bytesReceived_ += p.payloadBytes;
+    Stats::instance().addReceived(p.payloadBytes);
+    request->complete(peer);
     return;
   }
   RequestPtr waiter;  // a receive that claimed this message while it arrived
@@ -197,7 +238,8 @@ void TcpTransport::finishIncoming(int peer) {
     std::lock_guard<std::mutex> lock(mutex_);
     buffer->complete = true;
     if (buffer->claim != Unexpected::Claim::kNone) {
-      // Sizes were checked when the receive claimed it; a mismatched one failed then.
+      // Sizes were checked when the receive claimed it; a mismatched one failed
+      // then, and so did one whose peer was lost meanwhile (kDropped both).
       if (buffer->claim == Unexpected::Claim::kWaiting) {
         waiter = buffer->waiter.request;
         if (!buffer->data.empty())
@@ -205,7 +247,10 @@ void TcpTransport::finishIncoming(int peer) {
       }
       auto& queue = p.unexpected;
       auto it = std::find(queue.begin(), queue.end(), buffer);
-      if (it != queue.end()) queue.erase(it);
+      if (it != queue.end()) {
+        unexpectedBytes_ -= buffer->data.size();
+        queue.erase(it);
+      }
     }
   }
   if (waiter) {
@@ -229,12 +274,19 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
     for (auto& posted : p.posted) failed.push_back(posted.request);
     p.posted.clear();
     // Complete messages stay deliverable; partial ones are lost with the peer.
+    // The I/O thread may still be reading one (off that thread): a receive that
+    // claimed it fails now and is detached, so the rest of the message is
+    // dropped and never copied into that receive's buffer.
     for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
-      if ((*it)->complete) {
+      Unexpected& u = **it;
+      if (u.complete) {
         ++it;
         continue;
       }
-      if ((*it)->claim == Unexpected::Claim::kWaiting) failed.push_back((*it)->waiter.request);
+      if (u.claim == Unexpected::Claim::kWaiting) failed.push_back(u.waiter.request);
+      u.claim = Unexpected::Claim::kDropped;
+      u.waiter = PostedRecv{};
+      unexpectedBytes_ -= u.data.size();
       it = p.unexpected.erase(it);
     }
   }
@@ -251,7 +303,15 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
     p.recvRequest.reset();
     p.recvBuffer.reset();
     p.inPayload = false;
+    p.discarding = false;
     p.headerGot = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (p.parked) {
+        p.parked = false;
+        --parkedPeers_;
+      }
+    }
   } else {
     wake();
   }

@@ -11,6 +11,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,32 @@
 #include "transport/wire.h"
 
 using namespace pycomm;
+
+namespace pycomm {
+// What the tests below need from inside a transport (tcp.h befriends it).
+struct TcpTransportProbe {
+  static std::mutex& sendMutex(TcpTransport& t, int peer) { return t.peers_[peer]->sendMutex; }
+  static int fd(TcpTransport& t, int peer) { return t.peers_[peer]->fd; }
+  // The first message from `peer` that arrived before its receive, and whether it
+  // is complete and claimed by a waiting receive.
+  static std::shared_ptr<void> firstUnexpected(TcpTransport& t, int peer, bool* complete, bool* waiting) {
+    std::lock_guard<std::mutex> lock(t.mutex_);
+    auto& queue = t.peers_[peer]->unexpected;
+    if (queue.empty()) return nullptr;
+    *complete = queue.front()->complete;
+    *waiting = queue.front()->claim == TcpTransport::Unexpected::Claim::kWaiting;
+    return queue.front();
+  }
+  // Whether that message still hands its data to a receive when it ends.
+  static bool stillAttached(TcpTransport& t, const std::shared_ptr<void>& message) {
+    std::lock_guard<std::mutex> lock(t.mutex_);
+    auto& u = *std::static_pointer_cast<TcpTransport::Unexpected>(message);
+    return u.claim == TcpTransport::Unexpected::Claim::kWaiting || u.waiter.request != nullptr;
+  }
+  // As the posting thread does when a send fails: off the I/O thread.
+  static void failPeer(TcpTransport& t, int peer, const std::string& reason) { t.failPeer(peer, reason); }
+};
+}  // namespace pycomm
 
 namespace {
 
@@ -35,10 +62,10 @@ void expect(bool ok, const std::string& what) {
 
 // Builds `n` connected transports in parallel (their constructors rendezvous).
 std::vector<std::unique_ptr<TcpTransport>> mesh(int n, MemoryStore& store,
-                                                std::function<void()> whileConnecting = {}) {
+                                                std::function<void()> whileConnecting = {},
+                                                TcpOptions options = {}) {
   std::vector<std::unique_ptr<TcpTransport>> transports(n);
   std::vector<std::thread> threads;
-  TcpOptions options;
   options.connectTimeout = std::chrono::milliseconds(20000);
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
@@ -197,6 +224,84 @@ void receivesPostedWhileTheMessageArrives() {
   expect(waitOk(next) && got == 9, "the next message arrives intact");
 }
 
+// A header that announces 2^40 bytes no receive was posted for: the receiver
+// allocates nothing (it used to try, and die of bad_alloc on its I/O thread);
+// the stream waits unread, a rank waiting on that peer times out with the
+// reason, and a receive posted for that tag fails at once naming the sender.
+void hugeAnnouncementAllocatesNothing() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  {
+    std::lock_guard<std::mutex> lock(TcpTransportProbe::sendMutex(*transports[1], 0));
+    WireHeader header{kDataMagic, 0, 5, 1ull << 40};
+    ssize_t sent = ::send(TcpTransportProbe::fd(*transports[1], 0), &header, sizeof(header), MSG_NOSIGNAL);
+    expect(sent == sizeof(header), "a raw header announcing 2^40 bytes is sent");
+  }
+  int value = 0;
+  auto other = transports[0]->irecv(1, 6, &value, sizeof(value));
+  const bool waited = !other->waitUntil(Clock::now() + std::chrono::milliseconds(500));
+  const std::string pending = transports[0]->describePending(1);
+  expect(waited && pending.find("rank 1 announced a message of 1099511627776 bytes (tag 5) that no receive "
+                                "matched; it waits unread") != std::string::npos,
+         "the stream is parked, and a timeout can say why: " + pending);
+  char small[16];
+  auto claimed = transports[0]->irecv(1, 5, small, sizeof(small));
+  claimed->waitUntil(Clock::now() + std::chrono::seconds(10));
+  expect(claimed->failed() && claimed->error().find("rank 1 sent 1099511627776 bytes where 16 were expected") !=
+                                  std::string::npos,
+         "a receive for it fails at once, naming the sender: " + claimed->error());
+}
+
+// Unexpected messages hold at most maxUnexpectedBytes; past it the stream waits
+// for a receive (which then gets the data directly) and nothing is lost.
+void unexpectedBudgetKeepsEveryMessage() {
+  MemoryStore store(kStoreTimeout);
+  TcpOptions options;
+  options.maxUnexpectedBytes = 1 << 20;
+  auto transports = mesh(2, store, {}, options);
+  const size_t bytes = 768 << 10;
+  std::vector<std::vector<char>> sent(3, std::vector<char>(bytes)), received = sent;
+  for (int m = 0; m < 3; ++m)
+    for (size_t i = 0; i < bytes; ++i) sent[m][i] = static_cast<char>(i * 7 + m);
+  std::vector<RequestPtr> sends, recvs;
+  for (int m = 0; m < 3; ++m) sends.push_back(transports[1]->isend(0, 10 + m, sent[m].data(), bytes));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // message 0 buffered, 1 parked
+  const std::string pending = transports[0]->describePending(1);
+  for (int m = 2; m >= 0; --m) recvs.push_back(transports[0]->irecv(1, 10 + m, received[m].data(), bytes));
+  bool ok = true;
+  for (auto& r : recvs) ok = waitOk(r) && ok;
+  for (auto& s : sends) ok = waitOk(s) && ok;
+  expect(pending.find("waits unread") != std::string::npos,
+         "the message past the budget waited unread: " + pending);
+  expect(ok && received == sent, "every message arrives intact, in any posting order");
+}
+
+// A peer failed off the I/O thread (as a failed send does) while one of its
+// messages is half received and claimed by a receive: the receive fails, and
+// the message is detached from it, so the I/O thread can never copy the rest
+// into that receive's buffer after its owner has freed it.
+void failedPeerDetachesHalfReceivedMessage() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  std::vector<char> sent(64 << 20, 1), received(sent.size());
+  std::shared_ptr<void> message;
+  RequestPtr recv;
+  bool complete = true, waiting = false;
+  {
+    auto send = transports[1]->isend(0, 7, sent.data(), sent.size());
+    // The sender stops mid-message while the test holds its send lock.
+    std::lock_guard<std::mutex> stall(TcpTransportProbe::sendMutex(*transports[1], 0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    recv = transports[0]->irecv(1, 7, received.data(), received.size());
+    message = TcpTransportProbe::firstUnexpected(*transports[0], 1, &complete, &waiting);
+    expect(message && !complete && waiting, "a receive claimed the half-received message");
+    TcpTransportProbe::failPeer(*transports[0], 1, "test: lost off the I/O thread");
+  }
+  expect(recv->completed() && recv->failed(), "its receive failed: " + recv->error());
+  expect(message && !TcpTransportProbe::stillAttached(*transports[0], message),
+         "the half-received message no longer points at that receive's buffer");
+}
+
 }  // namespace
 
 int main() {
@@ -205,6 +310,9 @@ int main() {
   sizeMismatchIsReported();
   emptyMessagesIntoNullBuffers();
   receivesPostedWhileTheMessageArrives();
+  hugeAnnouncementAllocatesNothing();
+  unexpectedBudgetKeepsEveryMessage();
+  failedPeerDetachesHalfReceivedMessage();
   std::cout << (failures == 0 ? "all passed" : "FAILURES: " + std::to_string(failures)) << std::endl;
   return failures == 0 ? 0 : 1;
 }
