@@ -13,15 +13,9 @@
 //            the dense output, so the result is bit-identical everywhere. What each
 //            element becomes depends on its segment alone, not on the other segments.
 //
-// Messages (little-endian): a 16-byte header {uint32 format, uint32 nnz, uint64
-// payloadBytes}, then the payload in a second message.
-//   format 0 (sparse): the nnz positions in the owner's space, ascending, as LEB128
-//            varints of the gaps (first: position, then position - previous - 1), then
-//            nnz values in the wire value type;
-//   format 1 (dense):  every element of the owner's space in the wire value type.
-// Each message takes whichever is smaller, so a dense union costs no more than a
-// dense reduce of that chunk. The wire value type is float32, float16 or bfloat16
-// (round to nearest even).
+// Messages: a header, then the payload in a second message, in the format of
+// sparse_wire.h. Each takes whichever of its sparse and dense forms is smaller, so
+// a dense union costs no more than a dense reduce of that chunk.
 //
 // Error feedback (residual != nullptr): what the wire rounding changed in this rank's
 // values (value - decoded) and, on the owner, what phase 2 did not send
@@ -33,135 +27,20 @@
 
 #include "algorithms/collectives.h"
 #include "algorithms/ownership.h"
-#include "kernels/cpu/half.h"
+#include "algorithms/sparse_wire.h"
 #include "kernels/cpu/topk.h"  // topkCount
 
 namespace pycomm {
 namespace {
 
-constexpr uint32_t kSparseFormat = 0;
-constexpr uint32_t kDenseFormat = 1;
-
-struct SparseHeader {
-  uint32_t format;
-  uint32_t nnz;
-  uint64_t payloadBytes;
-};
-static_assert(sizeof(SparseHeader) == 16, "wire header is 16 bytes");
-
-size_t varintBytes(uint64_t v) {
-  size_t bytes = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++bytes;
-  }
-  return bytes;
-}
-
-uint8_t* putVarint(uint8_t* out, uint64_t v) {
-  while (v >= 0x80) {
-    *out++ = static_cast<uint8_t>(v | 0x80);
-    v >>= 7;
-  }
-  *out++ = static_cast<uint8_t>(v);
-  return out;
-}
-
-void putValue(uint8_t* out, float v, DataType type) {
-  if (type == DataType::kFloat32) {
-    std::memcpy(out, &v, 4);
-  } else {
-    const uint16_t h = type == DataType::kFloat16 ? floatToHalf(v) : floatToBfloat16(v);
-    std::memcpy(out, &h, 2);
-  }
-}
-
-float getValue(const uint8_t* in, DataType type) {
-  if (type == DataType::kFloat32) {
-    float v;
-    std::memcpy(&v, in, 4);
-    return v;
-  }
-  uint16_t h;
-  std::memcpy(&h, in, 2);
-  return type == DataType::kFloat16 ? halfToFloat(h) : bfloat16ToFloat(h);
-}
-
-// The value as the wire carries it.
-float roundTrip(float v, DataType type) {
-  uint8_t tmp[4];
-  putValue(tmp, v, type);
-  return getValue(tmp, type);
-}
-
-// One encoded message: header then payload, contiguous.
-struct Message {
-  std::vector<uint8_t> bytes;
-  SparseHeader* header() { return reinterpret_cast<SparseHeader*>(bytes.data()); }
-  uint8_t* payload() { return bytes.data() + sizeof(SparseHeader); }
-  size_t payloadBytes() const { return bytes.size() - sizeof(SparseHeader); }
-};
-
-// Encodes pairs (chunk-relative ascending indices `rel`, values) of a chunk of
-// `chunk` elements.
-Message encode(const std::vector<uint32_t>& rel, const float* values, size_t chunk, DataType type) {
-  const size_t valueBytes = elementSize(type);
-  size_t indexBytes = 0;
-  for (size_t j = 0; j < rel.size(); ++j)
-    indexBytes += varintBytes(j == 0 ? rel[0] : rel[j] - rel[j - 1] - 1);
-  const size_t sparseBytes = indexBytes + rel.size() * valueBytes;
-  const size_t denseBytes = chunk * valueBytes;
-  Message m;
-  const bool dense = denseBytes < sparseBytes;
-  m.bytes.assign(sizeof(SparseHeader) + (dense ? denseBytes : sparseBytes), 0);
-  SparseHeader h{dense ? kDenseFormat : kSparseFormat, static_cast<uint32_t>(rel.size()),
-                 static_cast<uint64_t>(dense ? denseBytes : sparseBytes)};
-  std::memcpy(m.bytes.data(), &h, sizeof(h));
-  uint8_t* out = m.payload();
-  if (dense) {
-    // zeros of the wire type are all-zero bytes (assigned above)
-    for (size_t j = 0; j < rel.size(); ++j) putValue(out + rel[j] * valueBytes, values[j], type);
-  } else {
-    for (size_t j = 0; j < rel.size(); ++j) out = putVarint(out, j == 0 ? rel[0] : rel[j] - rel[j - 1] - 1);
-    for (size_t j = 0; j < rel.size(); ++j) putValue(out + j * valueBytes, values[j], type);
-  }
-  return m;
-}
-
-// Adds a message's values into acc[0 .. chunk). Validates what arrived.
+// Adds a message's values into acc[0 .. chunk); a malformed one fails the group
+// naming its sender.
 void accumulate(Comm& comm, int from, const SparseHeader& h, const uint8_t* payload, size_t chunk,
                 DataType type, float* acc) {
-  const size_t valueBytes = elementSize(type);
-  auto bad = [&](const char* what) {
-    comm.fail(ErrorKind::kConnection, comm.transport().rankName(from),
-               " sent a malformed sparse message (", what, ")");
-  };
-  if (h.format == kDenseFormat) {
-    if (h.payloadBytes != chunk * valueBytes) bad("dense size");
-    for (size_t i = 0; i < chunk; ++i) acc[i] += getValue(payload + i * valueBytes, type);
-    return;
-  }
-  if (h.format != kSparseFormat || h.nnz > chunk) bad("format");
-  const uint64_t valuesAt = h.payloadBytes - static_cast<uint64_t>(h.nnz) * valueBytes;
-  if (static_cast<uint64_t>(h.nnz) * valueBytes > h.payloadBytes) bad("size");
-  const uint8_t* p = payload;
-  const uint8_t* end = payload + valuesAt;
-  uint64_t index = 0;
-  for (uint32_t j = 0; j < h.nnz; ++j) {
-    uint64_t gap = 0;
-    int shift = 0;
-    while (true) {
-      if (p >= end || shift > 56) bad("index");
-      const uint8_t byte = *p++;
-      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
-      if (!(byte & 0x80)) break;
-      shift += 7;
-    }
-    index = j == 0 ? gap : index + gap + 1;
-    if (index >= chunk) bad("index out of range");
-    acc[index] += getValue(payload + valuesAt + j * valueBytes, type);
-  }
-  if (p != end) bad("index bytes");
+  const char* problem = accumulateSparse(h, payload, chunk, type, acc);
+  if (problem != nullptr)
+    comm.fail(ErrorKind::kConnection, comm.transport().rankName(from), " sent a malformed sparse message (",
+              problem, ")");
 }
 
 struct Candidate {
@@ -217,7 +96,7 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
             [](const auto& a, const auto& b) { return a.first.global < b.first.global; });
 
   // ---- phase 1: each pair to the owner of its index, at its place in the owner's space
-  std::vector<Message> toOwner(n);
+  std::vector<SparseMessage> toOwner(n);
   {
     std::vector<std::vector<uint32_t>> rel(n);
     std::vector<std::vector<float>> vals(n);
@@ -230,15 +109,15 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
       rel[c].push_back(static_cast<uint32_t>(p.local + (index - p.global)));
       vals[c].push_back(values[j]);
       if (residual != nullptr && opts.valueType != DataType::kFloat32)
-        residual[index] += values[j] - roundTrip(values[j], opts.valueType);
+        residual[index] += values[j] - wireRoundTrip(values[j], opts.valueType);
     }
-    for (int c = 0; c < n; ++c) toOwner[c] = encode(rel[c], vals[c].data(), own.owned[c], opts.valueType);
+    for (int c = 0; c < n; ++c) toOwner[c] = encodeSparse(rel[c], vals[c].data(), own.owned[c], opts.valueType);
   }
   std::vector<SparseHeader> headers(n);
   std::vector<std::vector<uint8_t>> payloads(n);
   std::vector<RequestPtr> recvs(n), sends;
   auto checkAnnounced = [&](int peer, size_t elements) {
-    if (headers[peer].payloadBytes > elements * (valueBytes + 10) + 16)
+    if (headers[peer].payloadBytes > maxSparsePayloadBytes(elements, valueBytes))
       comm.fail(ErrorKind::kConnection, comm.transport().rankName(peer),
                  " announced ", headers[peer].payloadBytes, " bytes for ", elements, " elements");
     payloads[peer].resize(headers[peer].payloadBytes);
@@ -250,7 +129,7 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   }
   for (int k = 1; k < n; ++k) {
     const int owner = (r + n - k) % n;
-    Message& m = toOwner[owner];
+    SparseMessage& m = toOwner[owner];
     sends.push_back(comm.send(owner, m.bytes.data(), sizeof(SparseHeader)));
     sends.push_back(comm.send(owner, m.payload(), m.payloadBytes()));
     result.bytesSent += m.bytes.size();
@@ -299,7 +178,7 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
       kept.push_back(s[c.position]);
     }
   }
-  Message reduced = encode(rel, kept.data(), mine, opts.valueType);
+  SparseMessage reduced = encodeSparse(rel, kept.data(), mine, opts.valueType);
   result.keptByOwner = rel.size();
   size_t largest = 0;
   for (int c = 0; c < n; ++c) largest = std::max(largest, own.owned[c]);

@@ -1,0 +1,116 @@
+// The sparse all-reduce's message format (sparse_wire.h).
+#include "algorithms/sparse_wire.h"
+
+#include <cstring>
+
+#include "kernels/cpu/half.h"
+
+namespace pycomm {
+namespace {
+
+size_t varintBytes(uint64_t v) {
+  size_t bytes = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++bytes;
+  }
+  return bytes;
+}
+
+uint8_t* putVarint(uint8_t* out, uint64_t v) {
+  while (v >= 0x80) {
+    *out++ = static_cast<uint8_t>(v | 0x80);
+    v >>= 7;
+  }
+  *out++ = static_cast<uint8_t>(v);
+  return out;
+}
+
+void putValue(uint8_t* out, float v, DataType type) {
+  if (type == DataType::kFloat32) {
+    std::memcpy(out, &v, 4);
+  } else {
+    const uint16_t h = type == DataType::kFloat16 ? floatToHalf(v) : floatToBfloat16(v);
+    std::memcpy(out, &h, 2);
+  }
+}
+
+float getValue(const uint8_t* in, DataType type) {
+  if (type == DataType::kFloat32) {
+    float v;
+    std::memcpy(&v, in, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, in, 2);
+  return type == DataType::kFloat16 ? halfToFloat(h) : bfloat16ToFloat(h);
+}
+
+}  // namespace
+
+float wireRoundTrip(float v, DataType type) {
+  uint8_t tmp[4];
+  putValue(tmp, v, type);
+  return getValue(tmp, type);
+}
+
+// Encodes pairs (chunk-relative ascending indices `rel`, values) of a chunk of
+// `chunk` elements.
+SparseMessage encodeSparse(const std::vector<uint32_t>& rel, const float* values, size_t chunk, DataType type) {
+  const size_t valueBytes = elementSize(type);
+  size_t indexBytes = 0;
+  for (size_t j = 0; j < rel.size(); ++j)
+    indexBytes += varintBytes(j == 0 ? rel[0] : rel[j] - rel[j - 1] - 1);
+  const size_t sparseBytes = indexBytes + rel.size() * valueBytes;
+  const size_t denseBytes = chunk * valueBytes;
+  SparseMessage m;
+  const bool dense = denseBytes < sparseBytes;
+  m.bytes.assign(sizeof(SparseHeader) + (dense ? denseBytes : sparseBytes), 0);
+  SparseHeader h{dense ? kDenseFormat : kSparseFormat, static_cast<uint32_t>(rel.size()),
+                 static_cast<uint64_t>(dense ? denseBytes : sparseBytes)};
+  std::memcpy(m.bytes.data(), &h, sizeof(h));
+  uint8_t* out = m.payload();
+  if (dense) {
+    // zeros of the wire type are all-zero bytes (assigned above)
+    for (size_t j = 0; j < rel.size(); ++j) putValue(out + rel[j] * valueBytes, values[j], type);
+  } else {
+    for (size_t j = 0; j < rel.size(); ++j) out = putVarint(out, j == 0 ? rel[0] : rel[j] - rel[j - 1] - 1);
+    for (size_t j = 0; j < rel.size(); ++j) putValue(out + j * valueBytes, values[j], type);
+  }
+  return m;
+}
+
+const char* accumulateSparse(const SparseHeader& h, const uint8_t* payload, size_t chunk, DataType type,
+                             float* acc) {
+  const size_t valueBytes = elementSize(type);
+  if (h.format == kDenseFormat) {
+    if (h.payloadBytes != chunk * valueBytes) return "dense size";
+    for (size_t i = 0; i < chunk; ++i) acc[i] += getValue(payload + i * valueBytes, type);
+    return nullptr;
+  }
+  if (h.format != kSparseFormat || h.nnz > chunk) return "format";
+  const uint64_t valuesAt = h.payloadBytes - static_cast<uint64_t>(h.nnz) * valueBytes;
+  if (static_cast<uint64_t>(h.nnz) * valueBytes > h.payloadBytes) return "size";
+  const uint8_t* p = payload;
+  const uint8_t* end = payload + valuesAt;
+  uint64_t index = 0;
+  for (uint32_t j = 0; j < h.nnz; ++j) {
+    uint64_t gap = 0;
+    int shift = 0;
+    while (true) {
+      if (p >= end || shift > 56) return "index";
+      const uint8_t byte = *p++;
+      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) break;
+      shift += 7;
+    }
+    index = j == 0 ? gap : index + gap + 1;
+    if (index >= chunk) return "index out of range";
+    acc[index] += getValue(payload + valuesAt + j * valueBytes, type);
+  }
+  if (p != end) return "index bytes";
+  return nullptr;
+}
+
+
+}  // namespace pycomm
