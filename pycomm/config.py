@@ -26,6 +26,15 @@ PYCOMM_SHM_SPREAD      1          with more ranks on a host than CPUs they may u
 PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce,
                                   dropped connections and failures to stderr (the
                                   C++ core's switch is process-wide)
+PYCOMM_SECRET          (unset)    the job secret's text, the same on every rank: each
+                                  connection between ranks is authenticated (both
+                                  ways, challenge-response) with a key derived from
+                                  it, and nothing secret goes into torch's store, so
+                                  store access alone does not let a process join.
+                                  Unset: rank 0 draws a random secret into the store
+PYCOMM_SECRET_FILE     (unset)    path of a file holding the job secret (instead of
+                                  PYCOMM_SECRET; surrounding whitespace and the final
+                                  newline are ignored). Setting both is an error
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -53,7 +62,7 @@ from . import _C
 __all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", "ALGORITHMS", "TRANSPORTS"]
 
 ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK",
-            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG")
+            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE")
 # "auto" and the all-reduce table's names, from the C++ core (allreduce_registry.h).
 ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -68,6 +77,8 @@ class Config:
     transport: str = "auto"
     shm_spread: bool = True
     debug: bool = False
+    # The job secret (PYCOMM_SECRET / PYCOMM_SECRET_FILE); "" when unset. Kept out of repr().
+    secret: str = dataclasses.field(default="", repr=False)
 
 
 def _flag(env, name: str, default: str) -> bool:
@@ -100,7 +111,31 @@ def load_config(environ=None) -> Config:
     # Spreading is on unless exactly "0"; debug is on unless unset, empty or "0".
     spread = env.get("PYCOMM_SHM_SPREAD", "1").strip() != "0"
     return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
-                  transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"))
+                  transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"),
+                  secret=_secret(env))
+
+
+def _secret(env) -> str:
+    """The job secret from PYCOMM_SECRET or PYCOMM_SECRET_FILE ("" if neither is
+    set). Messages never show the secret itself."""
+    text = env.get("PYCOMM_SECRET")
+    path = env.get("PYCOMM_SECRET_FILE")
+    if text is not None and path is not None:
+        raise ValueError("pycomm: set PYCOMM_SECRET or PYCOMM_SECRET_FILE, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"pycomm: PYCOMM_SECRET_FILE={path!r} cannot be read "
+                             f"({type(exc).__name__}: {getattr(exc, 'strerror', None) or 'not UTF-8 text'})") from None
+        text = text.strip()
+        if not text:
+            raise ValueError(f"pycomm: PYCOMM_SECRET_FILE={path!r} holds no secret (the file is empty)")
+    elif text is not None:
+        if not text:
+            raise ValueError("pycomm: PYCOMM_SECRET is set but empty")
+    return text or ""
 
 
 def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: str, global_ranks,
@@ -117,6 +152,7 @@ def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: s
     options.transport = config.transport
     options.shm_spread = config.shm_spread
     options.debug = config.debug
+    options.secret = config.secret
     return options
 
 

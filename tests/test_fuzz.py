@@ -1,4 +1,4 @@
-"""Fuzzes the TCP wire parsing (tests/fuzz/fuzz_wire.cc): libFuzzer with
+"""Fuzzes the TCP wire parsing and the handshake checks (tests/fuzz/fuzz_wire.cc): libFuzzer with
 ASan/UBSan when clang is installed, else a seeded random-mutation driver built
 with g++. The number of executions is printed (run pytest with -s to see it)."""
 import os
@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "tests", "fuzz", "fuzz_wire.cc")
-WIRE = os.path.join(ROOT, "csrc", "transport", "wire.cc")
+WIRE = [os.path.join(ROOT, "csrc", "transport", name) for name in ("wire.cc", "hmac.cc")]
 RUNS = int(os.environ.get("PYCOMM_FUZZ_RUNS", "300000"))
 
 
@@ -19,14 +19,14 @@ def test_fuzz_wire_parser(tmp_path):
     clang = shutil.which("clang++")
     flags = ["-std=c++17", "-g", "-O1", "-I", os.path.join(ROOT, "csrc")]
     if clang:
-        cmd = [clang, *flags, "-fsanitize=fuzzer,address,undefined", HARNESS, WIRE, "-o", binary]
+        cmd = [clang, *flags, "-fsanitize=fuzzer,address,undefined", HARNESS, *WIRE, "-o", binary]
         run = [binary, f"-runs={RUNS}", "-max_len=4096", str(tmp_path / "corpus")]
         os.makedirs(tmp_path / "corpus")
     else:
         gxx = shutil.which("g++")
         if gxx is None:
             pytest.skip("neither clang++ nor g++ is installed")
-        cmd = [gxx, *flags, "-DPYCOMM_FUZZ_STANDALONE", "-fsanitize=address,undefined", HARNESS, WIRE,
+        cmd = [gxx, *flags, "-DPYCOMM_FUZZ_STANDALONE", "-fsanitize=address,undefined", HARNESS, *WIRE,
                "-o", binary]
         run = [binary, str(RUNS)]
     subprocess.run(cmd, check=True, timeout=300)

@@ -39,7 +39,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("store_prefix", &pycomm::GroupConfig::storePrefix)
       .def_readwrite("transport", &pycomm::GroupConfig::transport)
       .def_readwrite("shm_spread", &pycomm::GroupConfig::shmSpread)
-      .def_readwrite("debug", &pycomm::GroupConfig::debug);
+      .def_readwrite("debug", &pycomm::GroupConfig::debug)
+      .def_readwrite("secret", &pycomm::GroupConfig::secret);
 
   py::class_<ProcessGroupPycomm, c10::intrusive_ptr<ProcessGroupPycomm>>(m, "ProcessGroupPycomm",
                                                                         backendBase)

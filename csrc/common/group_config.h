@@ -34,6 +34,10 @@ struct GroupConfig {
   bool shmSpread = true;
   // Log choices, dropped connections and failures to stderr (PYCOMM_DEBUG; process-wide).
   bool debug = false;
+  // The job secret (PYCOMM_SECRET, or the contents of PYCOMM_SECRET_FILE): connections
+  // are authenticated with a key derived from it and nothing secret is written to the
+  // store. Empty: rank 0 draws a random secret into the store. Never logged.
+  std::string secret;
 };
 
 }  // namespace pycomm

@@ -114,6 +114,12 @@ void ShmSegment::create(const std::string& name, size_t bytes) {
   if (fd < 0) throwError(ErrorKind::kConnection, "shm_open(", name, ") failed: ", std::strerror(errno));
   name_ = name;
   linked_ = true;
+  // 0600 whatever the umask (it can only take bits away; the peers check for exactly 0600).
+  if (::fchmod(fd, 0600) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throwError(ErrorKind::kConnection, "could not set the mode of ", name, ": ", std::strerror(err));
+  }
   // ftruncate alone reserves nothing on tmpfs: a /dev/shm too small for the
   // segment would only show later, as SIGBUS on first touch. Allocate now.
   int err = ::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ? errno : 0;
@@ -135,7 +141,20 @@ void ShmSegment::open(const std::string& name, size_t bytes) {
   const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) throwError(ErrorKind::kConnection, "shm_open(", name, ") failed: ", std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throwError(ErrorKind::kConnection, "fstat of shared memory ", name, " failed: ", std::strerror(err));
+  }
+  // Only a segment this user made for this group alone: another user's (or one
+  // others may read or write) could be a trap or a spy, whatever name the store gave.
+  if (st.st_uid != ::geteuid() || (st.st_mode & 07777) != 0600 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throwError(ErrorKind::kConnection, "refusing shared memory ", name, ": owned by uid ", st.st_uid, " with mode 0",
+               std::oct, (st.st_mode & 07777), std::dec, " (expected this user's, uid ", ::geteuid(),
+               ", with mode 0600)");
+  }
+  if (static_cast<size_t>(st.st_size) != bytes) {
     ::close(fd);
     throwError(ErrorKind::kConnection, "shared memory ", name, " has ", st.st_size, " bytes where ",
                bytes, " were expected");

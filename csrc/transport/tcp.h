@@ -10,10 +10,13 @@
 //
 // Bootstrap: each rank listens on an ephemeral port of `bindAddress`, publishes
 // "address port" under `<prefix>addr/<rank>` in the store, connects to every
-// lower rank and accepts every higher one.
+// lower rank and accepts every higher one, each connection authenticated both
+// ways by a challenge-response handshake (wire.h). All of it runs in one poll()
+// loop, each connection with its own deadline, so a silent connection delays
+// nobody.
 //
 // Sources, one job each: tcp.cc (construction, abort, destruction),
-// tcp_connect.cc (job secret, listener, address publication, hello exchange),
+// tcp_connect.cc (job secret, listener, address publication, handshakes),
 // tcp_io.cc (the I/O thread: epoll loop, reading and writing the sockets, abort
 // notices), tcp_match.cc (isend/irecv, matching incoming messages to posted
 // receives, buffering the unexpected ones, failing a lost peer); tcp_socket.h
@@ -40,6 +43,10 @@ struct TcpOptions {
   std::string storePrefix;
   // The most payload bytes held for messages no receive has claimed yet.
   size_t maxUnexpectedBytes = size_t(1) << 30;
+  // The job secret's text (PYCOMM_SECRET): every rank derives the handshake key
+  // from it and nothing secret goes into the store. Empty: rank 0 draws a random
+  // secret into the store (`<prefix>secret`), so store access means membership.
+  std::string secret;
 };
 
 class TcpTransport : public Transport {
@@ -157,7 +164,6 @@ class TcpTransport : public Transport {
   std::atomic<bool> stop_{false};
   std::thread ioThread_;
   std::vector<char> scratch_;
-  uint8_t secret_[kSecretBytes] = {};
   std::atomic<uint64_t> bytesSent_{0};
   std::atomic<uint64_t> bytesReceived_{0};
 

@@ -1,13 +1,22 @@
 // The TCP transport's wire format and its validation (torch-free, fuzzed by
 // tests/fuzz/fuzz_wire.cc).
 //
-// Connection setup: the connecting (higher) rank sends a Hello carrying the
-// job secret every rank read from the store; the accepting rank drops any
-// connection whose hello is malformed, from an unexpected rank, or without the
-// secret. After that, each message is a WireHeader followed by `bytes` payload
-// bytes. A header with kFlagAbort carries, as its payload, the reason the
-// sender's group failed; the receiver fails that peer with that reason, so
-// every survivor can name the rank that was lost first.
+// Connection setup: a mutual challenge-response under the job's handshake key
+// (derived from PYCOMM_SECRET, or from the random secret rank 0 puts in the
+// store when it is unset); the key itself never crosses the wire.
+//   connector -> acceptor  Hello     {magic, version, rank, size, peer, group id, nonce_c}
+//   acceptor  -> connector Challenge {magic, version, nonce_a, MAC("acceptor", ...)}
+//   connector -> acceptor  Proof     {magic, MAC("connector", ...)}
+// where MAC(role, ...) = HMAC-SHA256(key, "pycomm/2 " role | group id | size |
+// connector rank | acceptor rank | nonce_c | nonce_a). The connector checks the
+// acceptor's MAC before it proves anything; the acceptor counts a connection as
+// rank r's only once its proof checks, so a claimant that cannot prove the key
+// blocks nobody. The labels differ, so one side's MAC never serves as the other's.
+//
+// After that, each message is a WireHeader followed by `bytes` payload bytes.
+// A header with kFlagAbort carries, as its payload, the reason the sender's
+// group failed; the receiver fails that peer with that reason, so every
+// survivor can name the rank that was lost first.
 #pragma once
 
 #include <cstddef>
@@ -16,15 +25,22 @@
 
 namespace pycomm {
 
-constexpr uint32_t kDataMagic = 0x50434d44;   // "PCMD"
-constexpr uint32_t kHelloMagic = 0x50434d48;  // "PCMH"
-constexpr uint32_t kWireVersion = 1;
+constexpr uint32_t kDataMagic = 0x50434d44;       // "PCMD"
+constexpr uint32_t kHelloMagic = 0x50434d48;      // "PCMH"
+constexpr uint32_t kChallengeMagic = 0x50434d43;  // "PCMC"
+constexpr uint32_t kProofMagic = 0x50434d50;      // "PCMP"
+// 2: challenge-response handshake (1 sent the secret in the hello).
+constexpr uint32_t kWireVersion = 2;
 constexpr uint32_t kFlagAbort = 1u << 0;
 constexpr uint32_t kKnownFlags = kFlagAbort;
 // Larger than any tensor a host can hold; bounds what a corrupt header can ask for.
 constexpr uint64_t kMaxMessageBytes = 1ull << 46;
 constexpr uint64_t kMaxAbortReasonBytes = 4096;
-constexpr size_t kSecretBytes = 16;
+constexpr size_t kSecretBytes = 16;   // the random secret rank 0 draws without PYCOMM_SECRET
+constexpr size_t kGroupIdBytes = 16;  // random per group (rank 0 draws it; not secret)
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kMacBytes = 32;      // HMAC-SHA256
+constexpr size_t kKeyBytes = 32;
 
 struct WireHeader {
   uint32_t magic;
@@ -35,20 +51,61 @@ struct WireHeader {
 static_assert(sizeof(WireHeader) == 24, "wire header layout");
 
 struct Hello {
-  uint32_t magic;
-  uint32_t version;
-  int32_t rank;
-  int32_t size;
-  uint8_t secret[kSecretBytes];
+  uint32_t magic;     // kHelloMagic
+  uint32_t version;   // kWireVersion
+  int32_t rank;       // the connector's (claimed) rank
+  int32_t size;       // of the group
+  int32_t peer;       // the rank the connector means to reach
+  uint32_t reserved;  // 0
+  uint8_t group[kGroupIdBytes];
+  uint8_t nonce[kNonceBytes];  // nonce_c
 };
-static_assert(sizeof(Hello) == 32, "hello layout");
+static_assert(sizeof(Hello) == 56, "hello layout");
+
+struct Challenge {
+  uint32_t magic;    // kChallengeMagic
+  uint32_t version;  // kWireVersion
+  uint8_t nonce[kNonceBytes];  // nonce_a
+  uint8_t mac[kMacBytes];      // the acceptor's MAC
+};
+static_assert(sizeof(Challenge) == 56, "challenge layout");
+
+struct Proof {
+  uint32_t magic;     // kProofMagic
+  uint32_t reserved;  // 0
+  uint8_t mac[kMacBytes];  // the connector's MAC
+};
+static_assert(sizeof(Proof) == 40, "proof layout");
+
+// The key both ends of a connection prove they hold, derived from a secret
+// (PYCOMM_SECRET's text, or the store secret's bytes).
+struct HandshakeKey {
+  uint8_t bytes[kKeyBytes];
+};
+HandshakeKey handshakeKey(const void* secret, size_t bytes);
+
+enum class HandshakeRole { kAcceptor, kConnector };
+
+// What each side sends as its MAC (see the top of this file).
+void handshakeMac(const HandshakeKey& key, HandshakeRole role, const uint8_t* group, int size, int connectorRank,
+                  int acceptorRank, const uint8_t* nonceC, const uint8_t* nonceA, uint8_t* mac);
 
 // "" when the header may be acted on; otherwise what is wrong with it.
 std::string checkHeader(const WireHeader& header);
 
-// "" when `hello` is a valid greeting from a rank above `localRank` in a group of
-// `size` that knows `secret`; otherwise why the connection is dropped.
-std::string checkHello(const Hello& hello, int localRank, int size, const uint8_t* secret);
+// Acceptor `localRank` of a group of `size` with id `group`: "" when `hello` is
+// a well-formed greeting for it from a rank above it; otherwise why the
+// connection is dropped. Proves nothing: the claimed rank is proven by the Proof.
+std::string checkHello(const Hello& hello, int localRank, int size, const uint8_t* group);
+
+// Connector `localRank`, which sent `hello` to rank hello.peer: "" when
+// `challenge` is well formed and its MAC proves the acceptor holds `key`.
+std::string checkChallenge(const Challenge& challenge, const Hello& hello, const HandshakeKey& key);
+
+// Acceptor `localRank`, which answered `hello` with `challenge`: "" when `proof`
+// shows the connector holds `key` (and so is rank hello.rank).
+std::string checkProof(const Proof& proof, const Hello& hello, const Challenge& challenge, int localRank,
+                       const HandshakeKey& key);
 
 // The text an abort notice's payload carries, made printable and bounded.
 std::string abortReasonText(const char* data, size_t bytes);

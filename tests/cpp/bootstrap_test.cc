@@ -1,6 +1,11 @@
 // Torch-free tests of a group's bootstrap (transport/bootstrap.h): ranks as
 // threads of one process over memory_store.h. Built and run by
 // tests/test_bootstrap_cpp.py; prints one line per check, exits non-zero on failure.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <functional>
 #include <iostream>
 #include <string>
@@ -10,6 +15,7 @@
 #include "algorithms/collectives.h"
 #include "transport/bootstrap.h"
 #include "transport/memory_store.h"
+#include "transport/shm_segment.h"
 
 using namespace pycomm;
 
@@ -80,9 +86,48 @@ bool allreduceWorks(std::vector<Outcome>& ranks) {
   return true;
 }
 
+// Opens a segment made by the test with `mode` (and owner `uid`, when it may
+// chown): "" if ShmSegment::open took it, else its error.
+std::string openSegmentWith(mode_t mode, uid_t uid) {
+  const std::string name = "/pycomm-test-" + std::to_string(::getpid()) + "-mode";
+  ::shm_unlink(name.c_str());
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return "the test could not create " + name;
+  int rc = ::ftruncate(fd, 4096);
+  rc |= ::fchmod(fd, mode);  // umask does not apply to fchmod
+  if (uid != ::geteuid()) rc |= ::fchown(fd, uid, static_cast<gid_t>(-1));
+  ::close(fd);
+  std::string error;
+  if (rc != 0) {
+    error = "the test could not set up " + name;
+  } else {
+    try {
+      ShmSegment segment;
+      segment.open(name, 4096);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  ::shm_unlink(name.c_str());
+  return error;
+}
+
+// Item: shared-memory segments are refused unless this user's and 0600.
+void foreignSegmentsAreRefused() {
+  expect(openSegmentWith(0600, ::geteuid()).empty(), "a segment of this user with mode 0600 opens");
+  const std::string loose = openSegmentWith(0644, ::geteuid());
+  expect(loose.find("mode 0644") != std::string::npos, "a segment with mode 0644 is refused: " + loose);
+  if (::geteuid() == 0) {  // root may give it away: another owner is refused too
+    const std::string foreign = openSegmentWith(0600, 65534);
+    expect(foreign.find("owned by uid 65534") != std::string::npos,
+           "a segment owned by another user is refused: " + foreign);
+  }
+}
+
 }  // namespace
 
 int main() {
+  foreignSegmentsAreRefused();
   {
     auto ranks = bootstrap({"auto", "auto", "auto"}, "p1/");
     bool ok = true;

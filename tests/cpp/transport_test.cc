@@ -6,9 +6,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <poll.h>
+
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -101,11 +104,338 @@ bool waitOk(const RequestPtr& request) {
   return request->waitUntil(Clock::now() + std::chrono::seconds(10)) && !request->failed();
 }
 
+// Like mesh(), but every rank's construction error is caught: transports[r] is
+// null and errors[r] says why. Ranks above 0 start once `beforeOthers` returned.
+struct Built {
+  std::vector<std::unique_ptr<TcpTransport>> transports;
+  std::vector<std::string> errors;
+};
+Built meshOrErrors(int n, MemoryStore& store, std::chrono::milliseconds timeout,
+                   std::function<void()> beforeOthers = {}, std::vector<TcpOptions> perRank = {}) {
+  Built built;
+  built.transports.resize(n);
+  built.errors.resize(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      TcpOptions options = perRank.empty() ? TcpOptions{} : perRank[r];
+      options.connectTimeout = timeout;
+      if (r > 0 && beforeOthers) store.get("test/others-go");
+      try {
+        built.transports[r] = std::make_unique<TcpTransport>(r, n, store, options);
+      } catch (const std::exception& e) {
+        built.errors[r] = e.what();
+      }
+    });
+  if (beforeOthers) {
+    beforeOthers();
+    store.set("test/others-go", "1");
+  }
+  for (auto& t : threads) t.join();
+  return built;
+}
+
+// A TCP listener on 127.0.0.1 (fd, port), nothing accepted unless the test does.
+std::pair<int, int> listener(int backlog) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  ::listen(fd, backlog);
+  socklen_t length = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  return {fd, ntohs(address.sin_port)};
+}
+
+// What rank 0 leaves in the store for the others (store-secret mode): its
+// address, the job secret (hex) and the group id.
+const char kSecretHex[] = "00112233445566778899aabbccddeeff";
+void publishRankZero(MemoryStore& store, int port) {
+  store.set("addr/0", "127.0.0.1 " + std::to_string(port));
+  store.set("secret", kSecretHex);
+  store.set("group", "0123456789abcdef0123456789abcdef store");
+}
+
+// Rank 1 of a 2-rank group, constructed on a detached thread (it may block
+// past the test, so it owns what it uses); the future gets its error ("" if it
+// connected).
+std::future<std::string> rankOneInBackground(std::shared_ptr<MemoryStore> store,
+                                             std::chrono::milliseconds timeout) {
+  auto result = std::make_shared<std::promise<std::string>>();
+  auto future = result->get_future();
+  std::thread([store, result, timeout] {
+    TcpOptions options;
+    options.connectTimeout = timeout;
+    try {
+      TcpTransport transport(1, 2, *store, options);
+      result->set_value("");
+    } catch (const std::exception& e) {
+      result->set_value(e.what());
+    }
+  }).detach();
+  return future;
+}
+
+// Item: startup cannot be stalled. Silent and slow (partial hello) connections
+// to rank 0's port, opened before the real peers connect, cost them nothing;
+// rank 0 drops them.
+void silentConnectionsDoNotStallStartup() {
+  MemoryStore store(kStoreTimeout);
+  std::vector<int> silent;
+  Clock::time_point opened;
+  auto built = meshOrErrors(3, store, std::chrono::milliseconds(10000), [&] {
+    const std::string rank0 = store.get("addr/0");
+    for (int i = 0; i < 8; ++i) {
+      int fd = connectTo(rank0);
+      if (i % 4 == 3) {  // a slow loris: the first bytes of a hello, then nothing
+        const uint32_t magic = kHelloMagic;
+        ssize_t sent = ::send(fd, &magic, sizeof(magic), MSG_NOSIGNAL);
+        (void)sent;
+      }
+      silent.push_back(fd);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    opened = Clock::now();
+  });
+  const double seconds = std::chrono::duration<double>(Clock::now() - opened).count();
+  bool ok = true;
+  for (auto& e : built.errors) ok = ok && e.empty();
+  expect(ok && seconds < 3.0, "8 silent or slow connections do not delay the real peers (init took " +
+                                  std::to_string(seconds) + " s after them; errors: " + built.errors[0] +
+                                  built.errors[1] + built.errors[2] + ")");
+  // Once rank 0 is connected it has dropped them: each reads end-of-stream (or a reset).
+  int dropped = 0;
+  for (int fd : silent) {
+    pollfd pfd{fd, POLLIN, 0};
+    char byte;
+    if (::poll(&pfd, 1, 2000) == 1 && ::recv(fd, &byte, 1, MSG_DONTWAIT) <= 0) ++dropped;
+    ::close(fd);
+  }
+  expect(dropped == 8, "rank 0 dropped the 8 silent connections (" + std::to_string(dropped) + " of 8)");
+  if (ok) {
+    int value = 3, received = 0;
+    auto recv = built.transports[0]->irecv(2, 1, &received, sizeof(received));
+    auto send = built.transports[2]->isend(0, 1, &value, sizeof(value));
+    expect(waitOk(recv) && waitOk(send) && received == 3, "the group runs after the stall attempt");
+  }
+}
+
+// Item: connect honours the timeout. Rank 0's published address is a listener
+// whose accept queue is full, so the kernel drops rank 1's SYNs: without a
+// deadline connect() would block for minutes.
+void connectHonoursTheTimeout() {
+  auto store = std::make_shared<MemoryStore>(kStoreTimeout);
+  auto [fd, port] = listener(0);
+  std::vector<int> filling;
+  for (int i = 0; i < 4; ++i) {  // fill the accept queue (backlog 0 holds one)
+    int c = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+    int rc = ::connect(c, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+    (void)rc;
+    filling.push_back(c);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  publishRankZero(*store, port);
+  const auto start = Clock::now();
+  auto error = rankOneInBackground(store, std::chrono::milliseconds(1500));
+  const bool finished = error.wait_for(std::chrono::seconds(6)) == std::future_status::ready;
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const std::string text = finished ? error.get() : "(still connecting after 6 s)";
+  const std::string where = "127.0.0.1:" + std::to_string(port);
+  expect(finished && seconds < 3.0 && text.find("rank 1") != std::string::npos &&
+             text.find("rank 0") != std::string::npos && text.find(where) != std::string::npos,
+         "a connect that is never answered fails within the 1.5 s timeout (" + std::to_string(seconds) +
+             " s), naming both ranks and " + where + ": " + text);
+  for (int c : filling) ::close(c);
+  ::close(fd);
+}
+
+// Item: mutual authentication. A fake rank 0 (the test) reads what rank 1 sends
+// and answers with a challenge it cannot have computed (it does not know the
+// secret): the secret never crosses the wire and rank 1 refuses the fake.
+void connectorAuthenticatesTheAcceptor() {
+  auto store = std::make_shared<MemoryStore>(kStoreTimeout);
+  auto [fd, port] = listener(16);
+  publishRankZero(*store, port);
+  auto error = rankOneInBackground(store, std::chrono::milliseconds(3000));
+  pollfd pfd{fd, POLLIN, 0};
+  int conn = ::poll(&pfd, 1, 3000) == 1 ? ::accept(fd, nullptr, nullptr) : -1;
+  std::string received;
+  char buffer[256];
+  pollfd cfd{conn, POLLIN, 0};
+  while (conn >= 0 && ::poll(&cfd, 1, 300) == 1) {  // whatever rank 1 says first
+    ssize_t n = ::recv(conn, buffer, sizeof(buffer), 0);
+    if (n <= 0) break;
+    received.append(buffer, static_cast<size_t>(n));
+  }
+  uint8_t secret[16];
+  for (int i = 0; i < 16; ++i) secret[i] = static_cast<uint8_t>(std::stoi(std::string(kSecretHex + 2 * i, 2), nullptr, 16));
+  const bool leaked = received.find(std::string(reinterpret_cast<char*>(secret), 16)) != std::string::npos;
+  expect(!received.empty() && !leaked, "the job secret never crosses the wire (rank 1 sent " +
+                                           std::to_string(received.size()) + " bytes" +
+                                           (leaked ? ", the secret among them)" : ")"));
+  // A well-formed challenge ("PCMC", version, nonce, MAC) made without the secret.
+  std::string challenge(56, '\x5a');
+  const uint32_t head[2] = {0x50434d43u, kWireVersion};
+  std::memcpy(&challenge[0], head, sizeof(head));
+  ssize_t sent = ::send(conn, challenge.data(), challenge.size(), MSG_NOSIGNAL);
+  (void)sent;
+  const bool finished = error.wait_for(std::chrono::seconds(6)) == std::future_status::ready;
+  const std::string text = finished ? error.get() : "(still waiting after 6 s)";
+  expect(finished && text.find("rank 1") != std::string::npos && text.find("rank 0") != std::string::npos &&
+             text.find("authenticat") != std::string::npos,
+         "rank 1 refuses a rank 0 that cannot prove the secret: " + (text.empty() ? "(it connected)" : text));
+  if (conn >= 0) ::close(conn);
+  ::close(fd);
+}
+
+// A store that remembers every key and value set in it.
+class RecordingStore : public MemoryStore {
+ public:
+  using MemoryStore::MemoryStore;
+  void set(const std::string& key, const std::string& value) override {
+    {
+      std::lock_guard<std::mutex> lock(recordMutex_);
+      written_ += key + "=" + value + "\n";
+    }
+    MemoryStore::set(key, value);
+  }
+  std::string written() {
+    std::lock_guard<std::mutex> lock(recordMutex_);
+    return written_;
+  }
+
+ private:
+  std::mutex recordMutex_;
+  std::string written_;
+};
+
+std::vector<TcpOptions> secrets(const std::vector<std::string>& texts) {
+  std::vector<TcpOptions> options(texts.size());
+  for (size_t r = 0; r < texts.size(); ++r) options[r].secret = texts[r];
+  return options;
+}
+
+// Opens a connection to rank 0 claiming rank 1 of a 2-rank group (group id from
+// the store) and reads rank 0's challenge; returns the fd (-1 if no challenge came).
+int claimRankOne(MemoryStore& store) {
+  int fd = connectTo(store.get("addr/0"));
+  Hello hello{kHelloMagic, kWireVersion, 1, 2, 0, 0, {}, {}};
+  const std::string group = store.get("group");
+  for (size_t i = 0; i < kGroupIdBytes; ++i)
+    hello.group[i] = static_cast<uint8_t>(std::stoi(group.substr(2 * i, 2), nullptr, 16));
+  for (size_t i = 0; i < kNonceBytes; ++i) hello.nonce[i] = static_cast<uint8_t>(i);
+  ssize_t sent = ::send(fd, &hello, sizeof(hello), MSG_NOSIGNAL);
+  (void)sent;
+  Challenge challenge{};
+  size_t got = 0;
+  pollfd pfd{fd, POLLIN, 0};
+  while (got < sizeof(challenge) && ::poll(&pfd, 1, 2000) == 1) {
+    ssize_t n = ::recv(fd, reinterpret_cast<char*>(&challenge) + got, sizeof(challenge) - got, 0);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (got != sizeof(challenge) || challenge.magic != kChallengeMagic) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Item: only an authenticated connection claims a rank. Two impostors that know
+// the group id (public, in the store) but not the secret claim rank 1 before it
+// connects: one sends a wrong proof, one holds its claim in silence. The real
+// rank 1 gets in at once; the first impostor is dropped.
+void unprovenClaimsBlockNobody() {
+  MemoryStore store(kStoreTimeout);
+  int wrong = -1, holding = -1;
+  Clock::time_point claimed;
+  auto built = meshOrErrors(2, store, std::chrono::milliseconds(10000), [&] {
+    wrong = claimRankOne(store);
+    holding = claimRankOne(store);
+    Proof proof{kProofMagic, 0, {}};
+    ssize_t sent = ::send(wrong, &proof, sizeof(proof), MSG_NOSIGNAL);
+    (void)sent;
+    claimed = Clock::now();
+  }, secrets({"one secret", "one secret"}));
+  const double seconds = std::chrono::duration<double>(Clock::now() - claimed).count();
+  expect(wrong >= 0 && holding >= 0, "impostors claiming rank 1 get a challenge (and nothing else)");
+  expect(built.errors[0].empty() && built.errors[1].empty() && seconds < 3.0,
+         "the real rank 1 connects at once despite two unproven claims (" + std::to_string(seconds) + " s) " +
+             built.errors[0] + built.errors[1]);
+  char byte;
+  pollfd pfd{wrong, POLLIN, 0};
+  expect(::poll(&pfd, 1, 2000) == 1 && ::recv(wrong, &byte, 1, MSG_DONTWAIT) <= 0,
+         "the impostor with a wrong proof is dropped");
+  if (built.errors[0].empty() && built.errors[1].empty()) {
+    int value = 11, received = 0;
+    auto recv = built.transports[0]->irecv(1, 2, &received, sizeof(received));
+    auto send = built.transports[1]->isend(0, 2, &value, sizeof(value));
+    expect(waitOk(recv) && waitOk(send) && received == 11, "messages flow between the authenticated ranks");
+  }
+  ::close(wrong);
+  ::close(holding);
+}
+
+// Item: a secret that is not in the store. With the same secret on every rank
+// the group connects and the store holds nothing secret; a rank with another
+// secret fails at once naming the rank it could not authenticate, the others
+// within the timeout, and no message shows either secret.
+void secretsOutsideTheStore() {
+  {
+    RecordingStore store(kStoreTimeout);
+    auto built = meshOrErrors(3, store, std::chrono::milliseconds(10000), {},
+                              secrets({"correct horse", "correct horse", "correct horse"}));
+    const std::string written = store.written();
+    expect(built.errors[0].empty() && built.errors[1].empty() && built.errors[2].empty(),
+           "three ranks with the same secret connect " + built.errors[0] + built.errors[1] + built.errors[2]);
+    expect(written.find("secret") == std::string::npos && written.find("correct horse") == std::string::npos &&
+               written.find("group=") != std::string::npos,
+           "with a secret set, the store holds no secret key:\n" + written);
+  }
+  {
+    RecordingStore store(kStoreTimeout);
+    auto built = meshOrErrors(2, store, std::chrono::milliseconds(10000));
+    expect(built.errors[0].empty() && built.errors[1].empty() && store.written().find("secret=") != std::string::npos,
+           "without one, rank 0 puts a random secret in the store");
+  }
+  {
+    MemoryStore store(kStoreTimeout);
+    const auto start = Clock::now();
+    std::vector<double> took(3);
+    auto built = meshOrErrors(3, store, std::chrono::milliseconds(3000), {},
+                              secrets({"alpha secret", "alpha secret", "beta secret"}));
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    const std::string& odd = built.errors[2];
+    expect(odd.find("rank 2 could not authenticate rank ") != std::string::npos &&
+               odd.find("PYCOMM_SECRET") != std::string::npos,
+           "the rank with another secret fails naming the peer it could not authenticate: " + odd);
+    expect(built.errors[0].find("rank 0 timed out waiting for connections from rank 2") != std::string::npos &&
+               built.errors[0].find("a connection claiming rank 2 was dropped: it closed the connection on seeing this "
+                                   "rank's challenge") != std::string::npos,
+           "rank 0 fails within its timeout, saying rank 2's claim was not proven: " + built.errors[0]);
+    bool quiet = seconds < 6.0;
+    for (auto& e : built.errors) quiet = quiet && e.find("alpha") == std::string::npos && e.find("beta") == std::string::npos;
+    expect(quiet, "nobody waits past the timeout (" + std::to_string(seconds) + " s) and no error shows a secret");
+  }
+  {
+    MemoryStore store(kStoreTimeout);
+    auto built = meshOrErrors(2, store, std::chrono::milliseconds(3000), {}, secrets({"", "a secret"}));
+    expect(built.errors[1].find("rank 1 has a job secret (PYCOMM_SECRET or PYCOMM_SECRET_FILE) but rank 0 has none") !=
+               std::string::npos,
+           "a secret on some ranks only is named at once: " + built.errors[1]);
+  }
+}
+
 void strayConnectionsAreRejected() {
   MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store, [&] {
     const std::string rank0 = store.get("addr/0");
-    // 1: garbage bytes; 2: a well-formed hello without the job secret; 3: silence, then close.
+    // 1: garbage bytes; 2: a well-formed hello of another group; 3: silence, then close.
     int garbage = connectTo(rank0);
     const char junk[32] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
     ssize_t sent = ::send(garbage, junk, sizeof(junk), MSG_NOSIGNAL);
@@ -306,6 +636,11 @@ void failedPeerDetachesHalfReceivedMessage() {
 
 int main() {
   strayConnectionsAreRejected();
+  silentConnectionsDoNotStallStartup();
+  connectHonoursTheTimeout();
+  connectorAuthenticatesTheAcceptor();
+  unprovenClaimsBlockNobody();
+  secretsOutsideTheStore();
   abortNoticeNamesTheFirstFailure();
   sizeMismatchIsReported();
   emptyMessagesIntoNullBuffers();

@@ -1,12 +1,17 @@
 // Fuzz target for the TCP transport's wire parsing (csrc/transport/wire.h).
 //
-// The input is what a peer could put on a connection: a Hello, then a stream of
-// frames. The harness walks it as the transport does: a header is acted on only
-// if checkHeader accepts it, an abort notice's payload goes through
-// abortReasonText. It checks the invariants the transport relies on.
+// The input is what peers could put on a connection: the three handshake
+// messages (Hello, Challenge, Proof) as the acceptor and the connector each
+// check them, then a stream of frames. The harness walks it as the transport
+// does: a header is acted on only if checkHeader accepts it, an abort notice's
+// payload goes through abortReasonText. It checks the invariants the
+// transport relies on, among them that a challenge or proof is accepted
+// exactly when it is well formed and carries the MAC only the key's holder can
+// compute.
 //
 // libFuzzer:  clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -Icsrc \
-//               tests/fuzz/fuzz_wire.cc csrc/transport/wire.cc -o fuzz_wire && ./fuzz_wire -runs=1000000
+//               tests/fuzz/fuzz_wire.cc csrc/transport/wire.cc csrc/transport/hmac.cc -o fuzz_wire \
+//               && ./fuzz_wire -runs=1000000
 // Without clang: g++ -DPYCOMM_FUZZ_STANDALONE ... runs a seeded random-mutation loop
 // (./fuzz_wire RUNS) that prints the same "Done N runs" summary.
 #include <cstddef>
@@ -22,7 +27,14 @@ using namespace pycomm;
 
 namespace {
 
-const uint8_t kSecret[kSecretBytes] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+const char kSecretText[] = "fuzzing secret";
+const uint8_t kGroup[kGroupIdBytes] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+constexpr int kSize = 8;
+
+const HandshakeKey& fuzzKey() {
+  static const HandshakeKey key = handshakeKey(kSecretText, sizeof(kSecretText) - 1);
+  return key;
+}
 
 void check(bool condition, const char* what) {
   if (!condition) {
@@ -31,21 +43,50 @@ void check(bool condition, const char* what) {
   }
 }
 
+// The handshake as the acceptor (rank localRank) and the connector see it.
+void checkHandshake(const Hello& hello, const Challenge& challenge, const Proof& proof, int localRank) {
+  const HandshakeKey& key = fuzzKey();
+  const bool helloOk = checkHello(hello, localRank, kSize, kGroup).empty();
+  if (helloOk) {
+    check(hello.magic == kHelloMagic && hello.version == kWireVersion, "hello fields");
+    check(hello.rank > localRank && hello.rank < kSize && hello.size == kSize, "hello rank range");
+    check(hello.peer == localRank && hello.reserved == 0, "hello peer");
+    check(std::memcmp(hello.group, kGroup, kGroupIdBytes) == 0, "hello group");
+  }
+  // The connector's view: it sent `hello`, got `challenge`.
+  uint8_t acceptorMac[kMacBytes], connectorMac[kMacBytes];
+  handshakeMac(key, HandshakeRole::kAcceptor, hello.group, hello.size, hello.rank, hello.peer, hello.nonce,
+               challenge.nonce, acceptorMac);
+  handshakeMac(key, HandshakeRole::kConnector, hello.group, hello.size, hello.rank, hello.peer, hello.nonce,
+               challenge.nonce, connectorMac);
+  check(std::memcmp(acceptorMac, connectorMac, kMacBytes) != 0, "the two roles' MACs differ");
+  const bool challengeOk = checkChallenge(challenge, hello, key).empty();
+  check(challengeOk == (challenge.magic == kChallengeMagic && challenge.version == kWireVersion &&
+                        std::memcmp(challenge.mac, acceptorMac, kMacBytes) == 0),
+        "a challenge is accepted exactly when well formed with the acceptor's MAC");
+  // The acceptor's view (only reached after an accepted hello): it answered with `challenge`, got `proof`.
+  if (helloOk) {
+    const bool proofOk = checkProof(proof, hello, challenge, localRank, key).empty();
+    check(proofOk == (proof.magic == kProofMagic && proof.reserved == 0 &&
+                      std::memcmp(proof.mac, connectorMac, kMacBytes) == 0),
+          "a proof is accepted exactly when well formed with the connector's MAC");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size >= sizeof(Hello)) {
+  constexpr size_t kHandshakeBytes = sizeof(Hello) + sizeof(Challenge) + sizeof(Proof);
+  if (size >= kHandshakeBytes) {
     Hello hello;
+    Challenge challenge;
+    Proof proof;
     std::memcpy(&hello, data, sizeof(hello));
-    const int localRank = data[0] % 4;
-    const std::string verdict = checkHello(hello, localRank, 8, kSecret);
-    if (verdict.empty()) {
-      check(hello.magic == kHelloMagic && hello.version == kWireVersion, "hello fields");
-      check(hello.rank > localRank && hello.rank < 8 && hello.size == 8, "hello rank range");
-      check(std::memcmp(hello.secret, kSecret, kSecretBytes) == 0, "hello secret");
-    }
-    data += sizeof(Hello);
-    size -= sizeof(Hello);
+    std::memcpy(&challenge, data + sizeof(Hello), sizeof(challenge));
+    std::memcpy(&proof, data + sizeof(Hello) + sizeof(Challenge), sizeof(proof));
+    checkHandshake(hello, challenge, proof, hello.nonce[0] % 4);  // the acceptor's rank
+    data += kHandshakeBytes;
+    size -= kHandshakeBytes;
   }
   while (size >= sizeof(WireHeader)) {
     WireHeader header;
@@ -70,8 +111,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #ifdef PYCOMM_FUZZ_STANDALONE
-// A seeded mutation loop for machines without libFuzzer: random frames built
-// around valid ones, so both the accept and the reject paths run.
+// A seeded mutation loop for machines without libFuzzer: random bytes, often
+// shaped into a valid handshake (right fields, right MACs) and frames, then
+// sometimes one byte flipped, so the accept and the reject paths both run.
 int main(int argc, char** argv) {
   const long runs = argc > 1 ? std::atol(argv[1]) : 100000;
   uint64_t state = 0x9e3779b97f4a7c15ull;
@@ -81,20 +123,38 @@ int main(int argc, char** argv) {
     state ^= state << 17;
     return state;
   };
-  uint8_t buffer[512];
+  constexpr size_t kHandshakeBytes = sizeof(Hello) + sizeof(Challenge) + sizeof(Proof);
+  uint8_t buffer[768];
+  long validHandshakes = 0;
   for (long run = 0; run < runs; ++run) {
     const size_t size = next() % sizeof(buffer);
     for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(next());
-    if (size >= sizeof(Hello) + sizeof(WireHeader) && (next() & 1)) {
-      Hello hello{kHelloMagic, kWireVersion, static_cast<int32_t>(next() % 10), 8, {}};
-      if (next() & 1) std::memcpy(hello.secret, kSecret, kSecretBytes);
+    if (size >= kHandshakeBytes + sizeof(WireHeader) && (next() % 4 != 0)) {
+      Hello hello{kHelloMagic, kWireVersion, static_cast<int32_t>(next() % 10), kSize, 0, 0, {}, {}};
+      for (auto& b : hello.nonce) b = static_cast<uint8_t>(next());
+      const int localRank = hello.nonce[0] % 4;  // as the target picks it
+      hello.peer = next() % 8 == 0 ? static_cast<int32_t>(next() % 10) : localRank;
+      std::memcpy(hello.group, kGroup, kGroupIdBytes);
+      if (next() % 8 == 0) hello.group[next() % kGroupIdBytes] ^= 1;
+      Challenge challenge{kChallengeMagic, kWireVersion, {}, {}};
+      for (auto& b : challenge.nonce) b = static_cast<uint8_t>(next());
+      handshakeMac(fuzzKey(), HandshakeRole::kAcceptor, hello.group, hello.size, hello.rank, hello.peer,
+                   hello.nonce, challenge.nonce, challenge.mac);
+      Proof proof{kProofMagic, 0, {}};
+      handshakeMac(fuzzKey(), HandshakeRole::kConnector, hello.group, hello.size, hello.rank, localRank,
+                   hello.nonce, challenge.nonce, proof.mac);
       std::memcpy(buffer, &hello, sizeof(hello));
+      std::memcpy(buffer + sizeof(Hello), &challenge, sizeof(challenge));
+      std::memcpy(buffer + sizeof(Hello) + sizeof(Challenge), &proof, sizeof(proof));
+      if (next() & 1) buffer[1 + next() % (kHandshakeBytes - 1)] ^= static_cast<uint8_t>(1u << (next() % 8));
+      else ++validHandshakes;
       WireHeader header{kDataMagic, static_cast<uint32_t>(next() % 3), next(), next() % 600};
-      std::memcpy(buffer + sizeof(Hello), &header, sizeof(header));
+      std::memcpy(buffer + kHandshakeBytes, &header, sizeof(header));
     }
     LLVMFuzzerTestOneInput(buffer, size);
   }
-  std::printf("Done %ld runs (standalone random-mutation driver)\n", runs);
+  std::printf("Done %ld runs (standalone random-mutation driver; %ld with an unmutated handshake)\n", runs,
+              validHandshakes);
   return 0;
 }
 #endif
