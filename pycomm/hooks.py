@@ -41,7 +41,8 @@ is the one place that chooses.
 Hooks are annotated ``-> torch.futures.Future[torch.Tensor]`` (DDP checks the annotation),
 so this module does not use ``from __future__ import annotations``.
 
-Checkpoints: ``state.state_dict()`` holds plain Python values and tensors (torch.save-able);
+Checkpoints: ``state.state_dict()`` holds plain Python values and tensors (torch.save-able,
+read back with ``torch.load(..., weights_only=True)``);
 ``load_state_dict`` restores residuals and the step counter.
 """
 import weakref

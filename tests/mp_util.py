@@ -11,6 +11,14 @@ with the multiprocessing *spawn* context. Each child
 * calls ``fn(ctx, *args)`` and sends the pickled return value back,
 * destroys the process group.
 
+Each rank talks to the parent through a pipe of its own, one length-prefixed pickle per
+message, written synchronously; the parent reads all pipes without blocking and
+reassembles the messages. A rank that dies (SIGKILL, crash) half-way through a message
+therefore costs only its own pipe: the parent notices the death, reports the rank (and
+the message it was sending) and is never stuck in a read. (A shared
+``multiprocessing.Queue`` is not safe here: a writer killed while holding its lock or
+mid-message leaves the parent blocked reading forever.)
+
 The parent enforces a hard wall-clock timeout: children still alive at the
 deadline are killed and the failure names the ranks that hung together with
 the last progress note each of them sent (``ctx.progress(...)``). Exceptions
@@ -27,12 +35,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
-import queue
 import shutil
-import socket
+import struct
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -47,12 +56,96 @@ DEFAULT_RUN_TIMEOUT_S = 180.0
 GRACE_AFTER_ERROR_S = 20.0
 # How long a rank may take to exit after it returned (destroy_process_group).
 EXIT_GRACE_S = 20.0
+# A message on a rank's pipe: its length, then the pickle.
+_HEADER = struct.Struct("!Q")
+# The most the parent reads from one pipe before it looks at the clock again.
+_READ_BURST = 64 << 20
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (pycomm.launch's)."""
+    from pycomm.launch import free_port as launch_free_port  # not at import: netns ranks load torch late
+
+    return launch_free_port()
+
+
+class _Sender:
+    """A rank's end of its pipe to the parent. ``put`` writes one whole message before it
+    returns (nothing waits in a buffer when the process leaves); a lock keeps messages
+    from threads of this rank whole."""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._fd = conn.fileno()
+        self._lock = threading.Lock()
+
+    def put(self, msg) -> None:
+        blob = pickle.dumps(msg)
+        with self._lock:
+            try:
+                self._write(_HEADER.pack(len(blob)))
+                self._write(blob)
+            except BrokenPipeError:
+                pass  # the parent is gone: nobody to tell
+
+    def _write(self, data) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _Receiver:
+    """The parent's end of one rank's pipe: non-blocking reads, messages reassembled."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        os.set_blocking(conn.fileno(), False)
+        self.buffer = bytearray()
+        self.eof = False
+
+    def read(self) -> list:
+        """The messages complete so far; never blocks."""
+        got = 0
+        while not self.eof and got < _READ_BURST:
+            try:
+                chunk = os.read(self.conn.fileno(), 1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                self.eof = True
+                break
+            self.buffer += chunk
+            got += len(chunk)
+        messages = []
+        while len(self.buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self.buffer)
+            end = _HEADER.size + size
+            if len(self.buffer) < end:
+                break
+            messages.append(pickle.loads(memoryview(self.buffer)[_HEADER.size:end]))
+            del self.buffer[:end]
+        return messages
+
+    def drain(self) -> list:
+        """Everything readable now (the writer has exited or is about to be ignored)."""
+        messages = []
+        while True:
+            batch = self.read()
+            messages += batch
+            if not batch:
+                return messages
+
+    def incomplete(self) -> str | None:
+        """What is left of a message that was cut off, or None."""
+        if not self.buffer:
+            return None
+        if len(self.buffer) < _HEADER.size:
+            return f"{len(self.buffer)} bytes of a message header arrived"
+        (size,) = _HEADER.unpack_from(self.buffer)
+        return f"{len(self.buffer) - _HEADER.size} of {size} bytes arrived"
 
 
 class WorkerContext:
@@ -90,12 +183,10 @@ class WorkerContext:
         that disappears)."""
         self._q.put(("return", self.rank, pickle.dumps(value)))
         self._q.put(("exit", self.rank, None))
-        self._q.close()
-        self._q.join_thread()
         os._exit(0)
 
 
-def _netns_child(netns, blob, rank, world_size, backend, q, *rest):
+def _netns_child(netns, blob, rank, world_size, backend, conn, *rest):
     """Entry point of a rank that runs in network namespace ``netns``: enter it
     before anything else (``fn`` and ``args`` arrive pickled so that their
     modules, which may import torch, load only after setns)."""
@@ -104,16 +195,16 @@ def _netns_child(netns, blob, rank, world_size, backend, q, *rest):
 
         enter_netns(netns)
     except BaseException:
-        q.put(("error", rank, f"entering network namespace {netns!r} failed:\n" + traceback.format_exc()))
-        q.close()
-        q.join_thread()
+        _Sender(conn).put(("error", rank,
+                           f"entering network namespace {netns!r} failed:\n" + traceback.format_exc()))
         os._exit(1)
     fn, args = pickle.loads(blob)
-    _child(rank, world_size, backend, fn, args, q, *rest)
+    _child(rank, world_size, backend, fn, args, conn, *rest)
 
 
-def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeout_s, make_ref, env,
+def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_timeout_s, make_ref, env,
            master_addr="127.0.0.1", pre_init=None):
+    q = _Sender(conn)
     os.environ.update(env)
     dist = None
     try:
@@ -150,8 +241,6 @@ def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeou
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
         # Leave without tearing down: peers see this rank as gone.
-        q.close()
-        q.join_thread()
         os._exit(1)
     try:
         q.put(("progress", rank, "destroy_process_group() after return"))
@@ -161,7 +250,6 @@ def _child(rank, world_size, backend, fn, args, q, tmpdir, init, port, pg_timeou
         q.put(("error", rank, "destroy_process_group() failed:\n" + traceback.format_exc()))
     q.put(("exit", rank, None))
     q.close()
-    q.join_thread()
 
 
 @dataclasses.dataclass
@@ -176,6 +264,7 @@ class RunResult:
     crashed: dict  # rank -> exit code (died without reporting)
     elapsed_s: float
     timeout_s: float
+    cut_off: dict = dataclasses.field(default_factory=dict)  # rank -> the message it died (or hung) sending
 
     @property
     def ok(self) -> bool:
@@ -190,12 +279,14 @@ class RunResult:
             lines.append(f"--- rank {rank} raised (last progress: {self.progress.get(rank)!r}):")
             lines.append(self.errors[rank].rstrip())
         for rank in sorted(self.crashed):
-            lines.append(f"--- rank {rank} died with exit code {self.crashed[rank]} without reporting "
+            sending = f" while sending a message ({self.cut_off[rank]})" if rank in self.cut_off else ""
+            lines.append(f"--- rank {rank} died with exit code {self.crashed[rank]} without reporting{sending} "
                          f"(last progress: {self.progress.get(rank)!r})")
         if self.hung:
             lines.append(f"--- ranks {sorted(self.hung)} hung and were killed; last progress:")
             for rank in sorted(self.hung):
-                lines.append(f"    rank {rank}: {self.progress.get(rank)!r}")
+                sending = f" (killed while sending a message: {self.cut_off[rank]})" if rank in self.cut_off else ""
+                lines.append(f"    rank {rank}: {self.progress.get(rank)!r}{sending}")
         missing = set(range(self.world_size)) - set(self.returns) - set(self.errors) - set(self.crashed) - set(self.hung)
         if missing:
             lines.append(f"--- ranks {sorted(missing)} returned nothing")
@@ -236,21 +327,21 @@ def spawn_run(
     ``pre_init(rank)`` (a module-level function) runs in each rank before
     init_process_group, e.g. to set a resource limit on one rank."""
     mp = multiprocessing.get_context("spawn")
-    q = mp.Queue()
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
     port = free_port() if init in ("tcp", "env") else 0
     env = {k: str(v) for k, v in (env or {}).items()}
-    procs = []
+    procs, receivers = [], []
     start = time.monotonic()
     for rank in range(world_size):
+        reader, writer = mp.Pipe(duplex=False)
         rest = (tmpdir, init, port, pg_timeout_s, make_ref,
                 dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}), master_addr,
                 pre_init)
         ns = netns[rank] if netns else None
         if ns is None:
-            target, pargs = _child, (rank, world_size, backend, fn, args, q, *rest)
+            target, pargs = _child, (rank, world_size, backend, fn, args, writer, *rest)
         else:
-            target, pargs = _netns_child, (ns, pickle.dumps((fn, args)), rank, world_size, backend, q, *rest)
+            target, pargs = _netns_child, (ns, pickle.dumps((fn, args)), rank, world_size, backend, writer, *rest)
         p = mp.Process(
             target=target,
             args=pargs,
@@ -258,9 +349,11 @@ def spawn_run(
             daemon=True,
         )
         p.start()
+        writer.close()  # the rank holds the only write end: its pipe ends when it does
         procs.append(p)
+        receivers.append(_Receiver(reader))
 
-    returns, errors, reports, progress, crashed = {}, {}, {}, {}, {}
+    returns, errors, reports, progress, crashed, cut_off = {}, {}, {}, {}, {}, {}
     exited = set()
     hung = []
     deadline = start + timeout_s
@@ -287,20 +380,20 @@ def spawn_run(
 
     try:
         while True:
-            try:
-                handle(q.get(timeout=0.1))
-                continue
-            except queue.Empty:
-                pass
+            open_pipes = [r.conn for r in receivers if not r.eof]
+            if open_pipes:
+                multiprocessing.connection.wait(open_pipes, timeout=0.1)
+            else:
+                time.sleep(0.1)
+            for receiver in receivers:
+                for msg in receiver.read():
+                    handle(msg)
             now = time.monotonic()
             for rank, p in enumerate(procs):
                 if not p.is_alive() and rank not in exited and rank not in crashed:
-                    # Drain what it may still have sent before deciding.
-                    try:
-                        while True:
-                            handle(q.get(timeout=0.2))
-                    except queue.Empty:
-                        pass
+                    # Everything it wrote is in its pipe by now: read it before deciding.
+                    for msg in receivers[rank].drain():
+                        handle(msg)
                     if rank not in exited:
                         crashed[rank] = p.exitcode
                         if first_error_at is None:
@@ -335,21 +428,20 @@ def spawn_run(
                 p.kill()
         for p in procs:
             p.join(timeout=10)
-        try:
-            while True:
-                kind, rank, payload = q.get_nowait()
+        for rank, receiver in enumerate(receivers):
+            for kind, sender, payload in receiver.drain():
                 if kind in ("return", "error", "report", "progress"):
-                    handle((kind, rank, payload))
-        except (queue.Empty, OSError, EOFError):
-            pass
-        q.close()
+                    handle((kind, sender, payload))
+            if receiver.incomplete() is not None:
+                cut_off[rank] = receiver.incomplete()
+            receiver.conn.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
 
     for rank in hung:
         if rank in returns and rank not in exited:
             progress[rank] = f"returned, then hung in teardown: {progress.get(rank)!r}"
     return RunResult(world_size, backend, returns, errors, reports, progress, sorted(hung), crashed,
-                     time.monotonic() - start, timeout_s)
+                     time.monotonic() - start, timeout_s, cut_off)
 
 
 def run_multiprocess(fn: Callable, world_size: int, **kwargs) -> list:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -144,6 +145,8 @@ RESUME_RUNS = {
                  warmup_steps=3),
     "local_sgd": dict(strategy="local_sgd", local_sgd_period=3, local_sgd_warmup=2, dropout=0.1),
     "easgd": dict(strategy="easgd", easgd_period=3, precision="bf16"),
+    # error-feedback residuals and the hook's step counter travel in the (plain-data) checkpoint
+    "topk": dict(hook="topk"),
 }
 
 
@@ -304,18 +307,79 @@ def test_atomic_checkpoint_survives_a_failed_write(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         ckpt.atomic_save({"step": 8}, path)
     monkeypatch.undo()
-    assert torch.load(path, weights_only=False) == {"step": 7}
+    assert torch.load(path, weights_only=True) == {"step": 7}
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000007.pt"]  # no temp file left behind
     assert ckpt.find_checkpoint("auto", str(tmp_path / "empty")) is None
     with pytest.raises(FileNotFoundError, match="^pycomm train:"):
         ckpt.find_checkpoint(str(tmp_path / "missing.pt"))
 
 
-def test_rng_state_roundtrip():
-    state = ckpt.rng_state()
-    a = torch.rand(5)
-    ckpt.set_rng_state(state)
-    assert torch.equal(torch.rand(5), a)
+def test_rng_state_roundtrip(tmp_path):
+    import random
+
+    import numpy
+
+    random.gauss(0.0, 1.0)  # leaves a cached second normal in both generators' states
+    numpy.random.normal()
+    path = str(tmp_path / "rng.pt")
+    ckpt.atomic_save(ckpt.rng_state(), path)
+
+    def draw():
+        return (torch.rand(5).tolist(), random.random(), random.gauss(0.0, 1.0), numpy.random.normal(),
+                numpy.random.rand(3).tolist())
+
+    first = draw()
+    ckpt.set_rng_state(ckpt.load(path))  # through a plain-data file (weights_only=True)
+    assert draw() == first
+
+
+class _RunsCode:
+    """Unpickling this creates the marker file: a stand-in for a checkpoint that runs code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_latest_pointer_stays_in_its_directory(tmp_path):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    outside = tmp_path / "step_00000003.pt"
+    ckpt.atomic_save({"step": 3}, str(outside))
+    for name in ("../step_00000003.pt", str(outside), "sub/../../step_00000003.pt", "..", ""):
+        (directory / "latest").write_text(name + "\n")
+        for spec, where in (("auto", str(directory)), (str(directory), None)):
+            with pytest.raises(ValueError, match=r"^pycomm train: .*latest names .*not a file in"):
+                ckpt.find_checkpoint(spec, where)
+    ckpt.atomic_save({"step": 4}, ckpt.checkpoint_path(str(directory), 4))
+    (directory / "latest").write_text("step_00000004.pt\n")
+    assert ckpt.find_checkpoint("auto", str(directory)) == ckpt.checkpoint_path(str(directory), 4)
+
+
+def _resume_from_worker(ctx, path):
+    try:
+        Trainer(_cfg(resume=path), control_group=ctx.ref)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "marker"
+    path = str(tmp_path / "step_00000005.pt")
+    torch.save({"format": ckpt.FORMAT_VERSION, "task": "digits-mlp", "step": 5, "hook": _RunsCode(str(marker))},
+               path)
+    with pytest.raises(RuntimeError, match=r"^pycomm train: .*step_00000005\.pt is not a plain-data checkpoint"):
+        ckpt.load(path)
+    assert not marker.exists()
+    # the trainer's resume path (rank 0 reads, every rank gets the error)
+    messages = run_multiprocess(_resume_from_worker, 2, args=(path,), timeout_s=RUN_TIMEOUT_S)
+    assert not marker.exists(), "loading the checkpoint ran code from it"
+    for message in messages:
+        assert message is not None and path in message and "not a plain-data checkpoint" in message, message
+        assert re.search(r"\(\w+\.open\)", message), message  # names what it refused to build (io.open)
 
 
 def test_tasks_are_deterministic():

@@ -325,9 +325,10 @@ class Trainer:
         box = [None]
         if self.rank == 0:
             try:
-                box[0] = torch.load(path, map_location="cpu", weights_only=False)
+                box[0] = ckpt.load(path)
             except Exception as exc:  # surfaced on every rank below
-                box[0] = f"{_PREFIX} cannot read checkpoint {path}: {exc}"
+                text = str(exc)
+                box[0] = text if text.startswith(_PREFIX) else f"{_PREFIX} cannot read checkpoint {path}: {text}"
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
         state = box[0]
         if isinstance(state, str):

@@ -1,0 +1,95 @@
+"""tests/mp_util.py itself: a rank that dies while sending its result must not hang the parent.
+
+The harness runs in a child interpreter under a hard timeout (run_bounded kills the whole
+process tree), so a harness that hangs fails this test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from netns_util import run_bounded
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+BIG = 64 << 20  # bytes: a message far larger than a pipe's buffer
+HARNESS_TIMEOUT_S = 40.0  # spawn_run's own limit
+BOUND_S = 90.0  # the child interpreter's; reached only if spawn_run ignores its limit
+
+
+_WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}.get(platform.machine())
+
+
+def _writing(nbytes: int) -> bool:
+    """Is a thread of this process inside a write() of at least ``nbytes``?"""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/syscall") as handle:
+                fields = handle.read().split()
+        except OSError:
+            continue
+        if len(fields) > 3 and fields[0] == str(_WRITE_SYSCALL) and int(fields[3], 16) >= nbytes:
+            return True
+    return False
+
+
+def _kill_while_writing(nbytes: int) -> None:
+    """SIGKILL this process while one of its threads is in the middle of a big write()
+    (it blocks there until the reader has drained all but the pipe's last 64 KiB)."""
+    while not _writing(nbytes):
+        time.sleep(0.0002)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dies_mid_message(ctx):
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 must not leave while gloo still connects rank 1
+    if ctx.rank == 1:
+        ctx.report("small", "sent before the big one")
+        ctx.progress("sending a big report")
+        threading.Thread(target=_kill_while_writing, args=(1 << 20,), daemon=True).start()
+        ctx.report("big", b"x" * BIG)
+        time.sleep(HARNESS_TIMEOUT_S)  # not reached when the report blocks; killed either way
+    return f"rank {ctx.rank} done"
+
+
+_PARENT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from mp_util import spawn_run
+import test_mp_util
+res = spawn_run(test_mp_util._dies_mid_message, 2, backend="gloo", make_ref=False, timeout_s={timeout!r})
+print("RESULT " + json.dumps({{"returns": res.returns, "crashed": res.crashed, "hung": res.hung,
+                              "reports": {{r: sorted(v) for r, v in res.reports.items()}},
+                              "small": res.reports.get(1, {{}}).get("small"),
+                              "message": res.failure_message(), "elapsed_s": res.elapsed_s}}))
+"""
+
+
+@pytest.mark.skipif(_WRITE_SYSCALL is None or not os.path.exists("/proc/self/task"),
+                    reason="needs Linux /proc/<pid>/task/<tid>/syscall on x86_64 or aarch64")
+def test_rank_killed_while_sending_does_not_hang_the_parent():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = _PARENT.format(tests=TESTS, timeout=HARNESS_TIMEOUT_S)
+    started = time.monotonic()
+    rc, out = run_bounded([sys.executable, "-c", script], BOUND_S, env=env, cwd=TESTS)
+    took = time.monotonic() - started
+    assert rc is not None, f"spawn_run hung: the parent was still waiting after {took:.0f} s\n{out[-3000:]}"
+    assert rc == 0, out[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    assert res["crashed"] == {"1": -signal.SIGKILL}, res
+    assert res["returns"] == {"0": "rank 0 done"} and res["hung"] == [], res
+    assert res["small"] == "sent before the big one", res  # what arrived before the death survives
+    message = res["message"]
+    assert "rank 1 died with exit code -9" in message and "sending a big report" in message, message
+    assert "while sending a message" in message, message
+    assert res["elapsed_s"] < HARNESS_TIMEOUT_S, res
