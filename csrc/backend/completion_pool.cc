@@ -51,9 +51,4 @@ void CompletionPool::stop() {
   }
 }
 
-size_t CompletionPool::threads() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->threads.size();
-}
-
 }  // namespace pycomm

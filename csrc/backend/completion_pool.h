@@ -32,8 +32,6 @@ class CompletionPool {
   // Runs what was posted, then joins the threads. Idempotent; post() after it
   // runs the completion on the caller's thread.
   void stop();
-  // Threads started so far (tests).
-  size_t threads();
 
  private:
   // Shared with the threads, so a thread that outlives the pool (stop() called
