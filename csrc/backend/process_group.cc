@@ -300,8 +300,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
   const at::Tensor& t = single("allreduce", tensors);
   const DataType dtype = toDataType("allreduce", t.scalar_type());
   const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
   return enqueue("allreduce", OpType::ALLREDUCE, tensors,
-                 [this, t, dtype, op](Comm& c) {
+                 [this, t, dtype, op, premul](Comm& c) {
+                   if (premul) t.mul_(*premul);
                    lastAlgorithm_ = &pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()),
                                                        dtype, op, algorithm_.load());
                  },
@@ -317,11 +319,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     checkLike("allreduce_coalesced", tensors[i], tensors[0], tensors[i].numel(),
               "tensor " + std::to_string(i));
   const ReduceOp op = toReduceOp("allreduce_coalesced", opts.reduceOp, dtype);
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
   return enqueue("allreduce_coalesced", OpType::ALLREDUCE_COALESCED, tensors,
-                 [this, tensors, dtype, op](Comm& c) {
+                 [this, tensors, dtype, op, premul](Comm& c) {
                    Tensors flat;
                    for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
                    at::Tensor buffer = at::cat(flat);
+                   if (premul) buffer.mul_(*premul);
                    pycomm::allreduce(c, buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
                                      dtype, op, algorithm_.load());
                    int64_t offset = 0;
@@ -339,12 +343,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
   const at::Tensor& t = single("reduce", tensors);
   const DataType dtype = toDataType("reduce", t.scalar_type());
   const ReduceOp op = toReduceOp("reduce", opts.reduceOp, dtype);
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
   checkRank("reduce", static_cast<int>(opts.rootRank), getSize(), "root rank");
   const int root = static_cast<int>(opts.rootRank);
   return enqueue("reduce", OpType::REDUCE, tensors,
-                 [t, dtype, op, root](Comm& c) {
+                 [t, dtype, op, root, premul](Comm& c) {
                    // Only the root's tensor changes; other ranks reduce in a copy.
                    at::Tensor acc = c.rank() == root ? t : t.clone();
+                   if (premul) acc.mul_(*premul);
                    pycomm::reduce(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, op, root);
                  },
                  opts.timeout, opts.asyncOp,
@@ -505,10 +511,11 @@ namespace {
 
 // Reduce-scatter over a scratch copy of the inputs; rank r's chunk lands in `output`.
 void reduceScatterInto(Comm& c, const Tensors& inputs, const at::Tensor& output, DataType dtype,
-                       ReduceOp op) {
+                       ReduceOp op, std::optional<double> premul) {
   Tensors flat;
   for (const auto& t : inputs) flat.push_back(t.reshape({-1}));
   at::Tensor scratch = at::cat(flat);  // always a fresh copy
+  if (premul) scratch.mul_(*premul);
   const size_t elementBytes = elementSize(dtype);
   std::vector<char*> chunks;
   std::vector<size_t> counts;
@@ -538,6 +545,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   const at::Tensor& output = single("reduce_scatter", outputs);
   const DataType dtype = toDataType("reduce_scatter", output.scalar_type());
   const ReduceOp op = toReduceOp("reduce_scatter", opts.reduceOp, dtype);
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
   if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
     usageError(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
           " tensors");
@@ -546,8 +554,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
               "input tensor " + std::to_string(i));
   Tensors ins = inputs[0];
   return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
-                 [ins, output, dtype, op](Comm& c) {
-                   reduceScatterInto(c, ins, output, dtype, op);
+                 [ins, output, dtype, op, premul](Comm& c) {
+                   reduceScatterInto(c, ins, output, dtype, op, premul);
                  },
                  opts.timeout, opts.asyncOp,
                  signature("reduce_scatter", &output, -1, static_cast<int>(op)));
@@ -558,11 +566,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   const char* name = "reduce_scatter_tensor";
   const DataType dtype = checkTensor(name, output);
   const ReduceOp op = toReduceOp(name, opts.reduceOp, dtype);
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
   checkLike(name, input, output, output.numel() * getSize(), "input tensor");
   at::Tensor in = input, out = output;
   return enqueue(name, OpType::_REDUCE_SCATTER_BASE, {output},
-                 [in, out, dtype, op](Comm& c) {
-                   reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op);
+                 [in, out, dtype, op, premul](Comm& c) {
+                   reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op, premul);
                  },
                  opts.timeout, opts.asyncOp,
                  signature(name, &output, -1, static_cast<int>(op)));
@@ -578,14 +587,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     kinds.push_back({dtype, toReduceOp(name, opts.reduceOp, dtype)});
     checkLike(name, inputs[i], outputs[i], outputs[i].numel() * getSize(), "input " + std::to_string(i));
   }
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
   Tensors ins = inputs, outs = outputs;
   // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED exists only from torch 2.12 on,
   // and the extension must also build against torch 2.11 (the GPU machine's).
   return enqueue(name, OpType::COALESCED, outs,
-                 [ins, outs, kinds](Comm& c) {
+                 [ins, outs, kinds, premul](Comm& c) {
                    for (size_t i = 0; i < ins.size(); ++i)
                      reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
-                                       kinds[i].first, kinds[i].second);
+                                       kinds[i].first, kinds[i].second, premul);
                  },
                  opts.timeout, opts.asyncOp,
                  signature(name, outputs.empty() ? nullptr : &outputs[0], totalNumel(outputs)));

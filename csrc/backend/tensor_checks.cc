@@ -80,7 +80,13 @@ ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dty
     case c10d::ReduceOp::BAND: result = ReduceOp::kBand; break;
     case c10d::ReduceOp::BOR: result = ReduceOp::kBor; break;
     case c10d::ReduceOp::BXOR: result = ReduceOp::kBxor; break;
-    default: usageError(where(op) + "unsupported reduce op (PREMUL_SUM is NCCL-only)");
+    case c10d::ReduceOp::PREMUL_SUM:
+      if (dtype != DataType::kFloat32 && dtype != DataType::kFloat64 && dtype != DataType::kFloat16 &&
+          dtype != DataType::kBFloat16)
+        usageError(where(op) + "PREMUL_SUM needs a floating-point tensor (got " + dataTypeName(dtype) + ")");
+      result = ReduceOp::kSum;
+      break;
+    default: usageError(where(op) + "unsupported reduce op");
   }
   try {
     checkReduceSupported(op, result, dtype);
@@ -88,6 +94,15 @@ ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dty
     usageError(e.what());
   }
   return result;
+}
+
+std::optional<double> premulFactor(const c10d::ReduceOp& reduceOp) {
+  if (reduceOp.op_ != c10d::ReduceOp::PREMUL_SUM) return std::nullopt;
+  // NCCLPreMulSumSupplement: the name torch 2.11 has, an alias of PreMulSumSupplement in 2.13.
+  const auto* supplement = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(reduceOp.supplement_.get());
+  if (supplement == nullptr) usageError("pycomm: PREMUL_SUM without its factor");
+  if (supplement->tensor_factor.defined()) return supplement->tensor_factor.item<double>();
+  return supplement->double_factor;
 }
 
 void checkRank(const char* op, int rank, int size, const char* what) {

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,10 @@ void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int6
 void checkNamed(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype);
 // c10d reduce op -> ReduceOp, checked against the dtype (AVG floating only, ...).
 ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dtype);
+// PREMUL_SUM(f) (FSDP2 with a gradient divide factor) is a SUM of the inputs
+// multiplied by f first: toReduceOp() gives kSum for it, and this gives f
+// (nullopt for every other op). The factor is applied on the worker, in order.
+std::optional<double> premulFactor(const c10d::ReduceOp& reduceOp);
 // `rank` (a root, source or destination; `what` says which) lies in [0, size).
 void checkRank(const char* op, int rank, int size, const char* what);
 
