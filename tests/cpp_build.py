@@ -1,7 +1,12 @@
 """Builds the tests' C++ (torch-free layers only) with the system compiler: the
 sources of csrc/{common,kernels/cpu,transport,algorithms} compiled once per
 content into a cache (in parallel), then linked into a test binary or into the
-loopback harness module (tests/loopback.py)."""
+loopback harness module (tests/loopback.py).
+
+PYCOMM_TEST_SANITIZE=address,undefined (any -fsanitize= list) builds all of it
+with those sanitizers (-O1 -g, UBSan without recovery), cached apart from the
+normal build; a sanitized loopback module needs the sanitizer runtime preloaded
+into python (`make test-asan` sets it up)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -20,6 +25,20 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 FLAGS = ("-std=c++17", "-O3", "-fPIC", "-pthread")  # -O3 as setup.py: the kernels are vectorized loops
+
+
+def _sanitize_flags() -> tuple:
+    knob = os.environ.get("PYCOMM_TEST_SANITIZE", "").strip().replace(" ", "")
+    if not knob:
+        return ()
+    for name in knob.split(","):
+        if not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise ValueError(f"PYCOMM_TEST_SANITIZE must be a comma-separated list of sanitizers (got {knob!r})")
+    return (f"-fsanitize={knob}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")
+
+
+# The flags are part of every cache key, so a sanitized build never meets a normal one.
+FLAGS += _sanitize_flags()
 LAYERS = ("transport", "algorithms", os.path.join("kernels", "cpu"))
 
 
