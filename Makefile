@@ -47,9 +47,12 @@ ASAN_ENV = LD_PRELOAD="$$($(CXX_ASAN) -print-file-name=libasan.so) $$($(CXX_ASAN
 	PYCOMM_TEST_BUILD_DIR=$(ASAN_DIR)/cpp PYTHONPATH=$(ASAN_DIR)/pkg PYTHONSAFEPATH=1
 # Everything that exercises failure paths: killed and silent ranks, usage errors,
 # runtime errors, the fuzz targets, the TCP transport and bootstrap alone (C++), the
-# shared-memory arena's failure cases, the algorithms over loopback.
+# shared-memory arena's failure cases, the algorithms over loopback. Left out: the
+# test of where the scheduler puts crowded ranks, which counts placements per call
+# and misses its margin at the sanitizers' speed (it checks no memory).
 ASAN_TESTS ?= tests/test_failures.py tests/test_errors.py tests/test_fuzz.py tests/test_transport_cpp.py \
-	tests/test_bootstrap_cpp.py tests/test_shm.py tests/test_algorithms.py
+	tests/test_bootstrap_cpp.py tests/test_shm.py tests/test_algorithms.py \
+	--deselect tests/test_shm.py::test_crowded_ranks_spread_over_their_cpus
 # CI's share (.ci/run, after `make test`): sized so the whole CI stays well under 90 min.
 ASAN_CI_TESTS ?= tests/test_failures.py tests/test_errors.py tests/test_fuzz.py tests/test_transport_cpp.py \
 	tests/test_bootstrap_cpp.py
