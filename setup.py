@@ -8,6 +8,11 @@ found (CUDA_HOME), pycomm._C is a CUDAExtension that adds csrc/kernels/cuda/*.cu
 and csrc/backend/cuda_*.cc and defines PYCOMM_WITH_CUDA; otherwise it is the CPU
 CppExtension, unchanged. PYCOMM_BUILD_CUDA=0 forces the CPU build, =1 makes a
 missing CUDA toolchain an error. pycomm.built_with_cuda() tells which was built.
+
+Sanitizers: PYCOMM_SANITIZE=address,undefined (any -fsanitize= list) builds with
+those sanitizers at -O1 -g with frame pointers. Build it apart from the normal
+extension (`make test-asan` does: --build-temp/--build-lib under build-asan/) and
+load it into an unsanitized python with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 """
 import glob
 import os
@@ -52,7 +57,22 @@ def sources():
     return files
 
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+def sanitize_flags():
+    """-fsanitize=... for PYCOMM_SANITIZE (e.g. "address,undefined"), or [] when unset."""
+    knob = os.environ.get("PYCOMM_SANITIZE", "").strip().replace(" ", "")
+    if not knob:
+        return []
+    for name in knob.split(","):
+        if not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise SystemExit(f"PYCOMM_SANITIZE must be a comma-separated list of sanitizers (got {knob!r})")
+    return [f"-fsanitize={knob}"]
+
+
+SANITIZE = sanitize_flags()
+# Sanitized builds: -O1 -g keep reports readable and the build fast enough.
+CXX_FLAGS = ["-O1" if SANITIZE else "-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+if SANITIZE:
+    CXX_FLAGS += SANITIZE + ["-g", "-fno-omit-frame-pointer"]
 
 
 def extension():
@@ -62,6 +82,7 @@ def extension():
             sources=sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args=CXX_FLAGS,
+            extra_link_args=SANITIZE,
         )
     # Architectures: torch's TORCH_CUDA_ARCH_LIST (default: the visible GPUs).
     return CUDAExtension(
@@ -69,6 +90,7 @@ def extension():
         sources=sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=[("PYCOMM_WITH_CUDA", "1")],
+        extra_link_args=SANITIZE,
         extra_compile_args={
             "cxx": CXX_FLAGS,
             "nvcc": ["-O3", "-std=c++17", "-Xcompiler", "-Wall", "-Xcompiler", "-Wno-unused-parameter"],

@@ -3,9 +3,47 @@
 Markers (registered in pyproject.toml):
   slow  end-to-end tests; CI runs them, `make test-fast` skips them.
   gpu   needs a CUDA device; skipped cleanly where torch sees none.
+
+Sanitizer runs (`make test-asan`): PYCOMM_SANITIZER_LOGS names the folder where
+ASan/UBSan write their reports (ASAN_OPTIONS/UBSAN_OPTIONS log_path), from any
+process: pytest, spawned ranks, C++ test programs. A test during which a report
+appears fails with it, even when the process that wrote it had already
+reported its result (a report at interpreter exit, a rank whose exit code no
+harness looks at).
 """
+import os
+
 import pytest
 import torch
+
+SANITIZER_LOGS = os.environ.get("PYCOMM_SANITIZER_LOGS")
+
+
+def _sanitizer_reports():
+    if not SANITIZER_LOGS or not os.path.isdir(SANITIZER_LOGS):
+        return set()
+    return set(os.listdir(SANITIZER_LOGS))
+
+
+# Reports already charged to a test (or there before the session). Compared after
+# each test, not before it: module-scoped fixtures run their processes before a
+# function-scoped fixture could take a snapshot.
+_seen_reports = _sanitizer_reports()
+
+
+@pytest.fixture(autouse=True)
+def _no_sanitizer_report():
+    yield
+    if not SANITIZER_LOGS:
+        return
+    new = sorted(_sanitizer_reports() - _seen_reports)
+    _seen_reports.update(new)
+    if new:
+        texts = []
+        for name in new:
+            with open(os.path.join(SANITIZER_LOGS, name), errors="replace") as f:
+                texts.append(f"--- {name}:\n{f.read()[:6000]}")
+        pytest.fail(f"sanitizer report(s) in {SANITIZER_LOGS}:\n" + "\n".join(texts), pytrace=False)
 
 
 def pytest_configure(config):
@@ -44,6 +82,10 @@ def _dev_shm_leftovers():
 def pytest_sessionfinish(session, exitstatus):
     """/dev/shm must be clean after the suite: pycomm unlinks its segments as soon as
     every local rank mapped them, so none may outlive its creator."""
+    late = sorted(_sanitizer_reports() - _seen_reports)
+    if late:
+        print(f"\nsanitizer report(s) written after the last test in {SANITIZER_LOGS}: {late}")
+        session.exitstatus = 1
     left = _dev_shm_leftovers()
     if left:
         print(f"\npycomm segments left in /dev/shm by exited processes: {left}")

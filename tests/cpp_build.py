@@ -1,7 +1,12 @@
 """Builds the tests' C++ (torch-free layers only) with the system compiler: the
 sources of csrc/{common,kernels/cpu,transport,algorithms} compiled once per
 content into a cache (in parallel), then linked into a test binary or into the
-loopback harness module (tests/loopback.py)."""
+loopback harness module (tests/loopback.py).
+
+PYCOMM_TEST_SANITIZE=address,undefined (any -fsanitize= list) builds all of it
+with those sanitizers (-O1 -g, UBSan without recovery), cached apart from the
+normal build; a sanitized loopback module needs the sanitizer runtime preloaded
+into python (`make test-asan` sets it up)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -20,6 +25,20 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 FLAGS = ("-std=c++17", "-O3", "-fPIC", "-pthread")  # -O3 as setup.py: the kernels are vectorized loops
+
+
+def _sanitize_flags() -> tuple:
+    knob = os.environ.get("PYCOMM_TEST_SANITIZE", "").strip().replace(" ", "")
+    if not knob:
+        return ()
+    for name in knob.split(","):
+        if not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise ValueError(f"PYCOMM_TEST_SANITIZE must be a comma-separated list of sanitizers (got {knob!r})")
+    return (f"-fsanitize={knob}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")
+
+
+# The flags are part of every cache key, so a sanitized build never meets a normal one.
+FLAGS += _sanitize_flags()
 LAYERS = ("transport", "algorithms", os.path.join("kernels", "cpu"))
 
 
@@ -76,8 +95,9 @@ def binary(main_source: str) -> str:
     out = os.path.join(cache_dir(), f"{os.path.basename(main_source)}-{_key([main_source] + objects)}")
     if not os.path.exists(out):
         main_obj = _compile(main_source)
-        subprocess.run([compiler(), *FLAGS, main_obj, *objects, "-o", f"{out}.tmp"], check=True, timeout=600)
-        os.replace(f"{out}.tmp", out)
+        tmp = f"{out}.{os.getpid()}.tmp"  # ranks of one test may build the same program at once
+        subprocess.run([compiler(), *FLAGS, main_obj, *objects, "-o", tmp], check=True, timeout=600)
+        os.replace(tmp, out)
     return out
 
 
@@ -90,9 +110,10 @@ def python_module(name: str, source: str):
     out = os.path.join(cache_dir(), f"{name}-{_key([source] + objects, includes)}{suffix}")
     if not os.path.exists(out):
         module_obj = _compile(source, includes)
-        subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, "-o", f"{out}.tmp"], check=True,
+        tmp = f"{out}.{os.getpid()}.tmp"  # the ranks of one test build it at once
+        subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, "-o", tmp], check=True,
                        timeout=600)
-        os.replace(f"{out}.tmp", out)
+        os.replace(tmp, out)
     spec = importlib.util.spec_from_file_location(name, out)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -428,6 +428,13 @@ def spawn_run(
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        # A rank that finished its work but then died on a signal (a sanitizer's
+        # abort at teardown, a crash in a destructor) is a failure too.
+        for rank, p in enumerate(procs):
+            if rank in exited and rank not in errors and rank not in hung and p.exitcode is not None \
+                    and p.exitcode < 0:
+                crashed[rank] = p.exitcode
+                progress[rank] = f"died on signal {-p.exitcode} after it finished: {progress.get(rank)!r}"
         for rank, receiver in enumerate(receivers):
             for kind, sender, payload in receiver.drain():
                 if kind in ("return", "error", "report", "progress"):

@@ -276,3 +276,113 @@ def test_lost_peer_raises():
     assert err["is_runtime_error"], f"raised {err['type']} (want DistBackendError/RuntimeError): {err['msg']!r}"
     assert out["seconds"] <= timeout + SLACK_S, f"took {out['seconds']:.1f} s to notice the lost peer"
     assert "rank 1" in err["msg"], f"message does not name the lost peer (rank 1): {err['msg']!r}"
+
+
+# ------------------------------------------------- all_to_all_single splits ---
+# Split sizes are rows per rank. Bad ones must raise ValueError at the call
+# ("pycomm alltoall_base: ..."), on every transport, before anything is sent or
+# written: sums that wrap around int64 once passed the old check and sent
+# (TCP: read) or wrote (the self block) outside the tensors (issue #13).
+A2A_WORLD = 3
+INT64_MAX = 2**63 - 1
+
+
+def _wrapping_splits(rank):
+    """Three non-negative splits summing to 2**64 + 4 (4 once wrapped), whose
+    block for `rank` is 1 + 2**62 rows: 4 bytes of float32 once the product
+    wraps, so the old self-block check (this rank sends itself 4 bytes) passed.
+    On rank 1 the old code put the self block 4 bytes before the output."""
+    others = [INT64_MAX, 2**62 + 4]
+    return [1 + 2**62 if i == rank else others.pop(0) for i in range(A2A_WORLD)]
+
+
+def _a2a(out_rows, in_rows, out_splits, in_splits):
+    return dist.all_to_all_single(torch.zeros(out_rows), torch.ones(in_rows), out_splits, in_splits,
+                                  async_op=True)
+
+
+# name -> rank -> the call; every rank makes a bad call, so none can hang.
+A2A_CASES = {
+    "negative output split": lambda r: _a2a(3, 3, [-1, 2, 2], [1, 1, 1]),
+    "negative input split": lambda r: _a2a(3, 3, [1, 1, 1], [2, 2, -1]),
+    "output split larger than the tensor": lambda r: _a2a(3, 3, [INT64_MAX, 0, 0], [1, 1, 1]),
+    "input splits summing past int64": lambda r: _a2a(3, 3, [1, 1, 1], [INT64_MAX, INT64_MAX, INT64_MAX]),
+    "output splits wrapping to the row count": lambda r: _a2a(4, 3, _wrapping_splits(r), [1, 1, 1]),
+    "input splits wrapping to the row count": lambda r: _a2a(3, 4, [1, 1, 1], _wrapping_splits(r)),
+    "2-D output splits wrapping to the row count": lambda r: dist.all_to_all_single(
+        torch.zeros(4, 3), torch.ones(3, 3), _wrapping_splits(r), [1, 1, 1], async_op=True),
+    "too few splits": lambda r: _a2a(3, 3, [1, 2], [1, 1, 1]),
+}
+
+
+def alltoall_splits_worker(ctx):
+    for name, call in A2A_CASES.items():
+        ctx.progress(name)
+        rec = {}
+        try:
+            work = call(ctx.rank)
+            rec["at_call"] = None
+            try:
+                work.wait()
+                rec["at_wait"] = None
+            except Exception as e:  # noqa: BLE001
+                rec["at_wait"] = _describe(e)
+        except Exception as e:  # noqa: BLE001
+            rec["at_call"] = _describe(e)
+        ctx.report(name, rec)
+    ctx.progress("all_to_all_single after the usage errors")
+    out = torch.zeros(3)
+    dist.all_to_all_single(out, torch.full((3,), float(ctx.rank)))
+    ctx.report("_usable", out.tolist())
+    # Locally valid splits that disagree between ranks: rank 0 sends rank 1 two
+    # rows where it expects one, and rank 2 none. A runtime failure naming rank 0
+    # on the receivers, never a write past what this rank said it receives.
+    # Rank r's rows hold 100 + 10 r + row.
+    ctx.progress("splits that disagree between ranks")
+    out = torch.full((3,), -1.0)
+    try:
+        dist.all_to_all_single(out, 100 + 10 * ctx.rank + torch.arange(3.0), [1, 1, 1],
+                               [1, 2, 0] if ctx.rank == 0 else [1, 1, 1])
+        ctx.report("_disagree", None)
+    except Exception as e:  # noqa: BLE001
+        ctx.report("_disagree", _describe(e))
+    ctx.report("_disagree_out", out.tolist())
+    return None
+
+
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def alltoall_splits_run(request):
+    return spawn_run(alltoall_splits_worker, A2A_WORLD, backend=BACKEND, timeout_s=120, pg_timeout_s=10,
+                     make_ref=False, env={"PYCOMM_TRANSPORT": request.param})
+
+
+@pytest.mark.parametrize("case", list(A2A_CASES))
+def test_alltoall_bad_splits_raise_at_call(alltoall_splits_run, case):
+    res = alltoall_splits_run
+    for rank in range(A2A_WORLD):
+        rec = res.reports.get(rank, {}).get(case)
+        if rec is None:
+            pytest.fail(f"rank {rank}: case not reached:\n{res.failure_message()}", pytrace=False)
+        err = rec["at_call"]
+        if err is None:
+            later = f"; work.wait() then raised {rec['at_wait']}" if rec["at_wait"] else \
+                "; the call and work.wait() both succeeded"
+            pytest.fail(f"rank {rank}: {case}: no exception at the call{later}", pytrace=False)
+        assert err["type"] == "ValueError", f"rank {rank}: {case}: raised {err['type']}: {err['msg']!r}"
+        assert err["msg"].startswith("pycomm alltoall_base:") and "split" in err["msg"], \
+            f"rank {rank}: {case}: {err['msg']!r}"
+
+
+def test_alltoall_splits_that_disagree_between_ranks(alltoall_splits_run):
+    res = alltoall_splits_run
+    for rank in range(A2A_WORLD):
+        assert res.reports.get(rank, {}).get("_usable") == [0.0, 1.0, 2.0], \
+            f"rank {rank}: all_to_all_single after the usage errors:\n{res.failure_message()}"
+    for rank in (1, 2):
+        err = res.reports[rank].get("_disagree")
+        assert err is not None, f"rank {rank} received a block of the wrong size without an error"
+        assert err["is_runtime_error"] and "rank 0" in err["msg"], f"rank {rank}: {err}"
+        # nothing of rank 0's wrong-size block lands anywhere in the output
+        out = res.reports[rank]["_disagree_out"]
+        assert not any(100 <= v < 110 for v in out), f"rank {rank}: output {out} holds rows of rank 0"
+    res.check()  # no crash, no hang

@@ -17,7 +17,9 @@ WAIT_LIMIT_S = 120  # hard wall-clock bound on every spawned run
 
 def _spawn(target, world, args, timeout_s=WAIT_LIMIT_S):
     """Runs target(rank, world, q, *args) in `world` spawned processes; returns
-    {rank: result} of those that reported. Kills whatever is left at the deadline."""
+    {rank: result} of those that reported. Kills whatever is left at the deadline.
+    A process that dies on a signal other than SIGKILL (the tests' own kills), e.g.
+    a crash or a sanitizer's abort even after it reported, fails the test."""
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, world, q, *args), daemon=True) for r in range(world)]
@@ -36,6 +38,10 @@ def _spawn(target, world, args, timeout_s=WAIT_LIMIT_S):
         if p.is_alive():
             p.kill()
             p.join()
+    died = {r: -p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0
+            and p.exitcode != -signal.SIGKILL}
+    if died:
+        pytest.fail(f"ranks died on signals {died} (rank: signal); results: {results}", pytrace=False)
     return results
 
 

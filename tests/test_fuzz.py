@@ -1,6 +1,9 @@
-"""Fuzzes the TCP wire parsing and the handshake checks (tests/fuzz/fuzz_wire.cc): libFuzzer with
-ASan/UBSan when clang is installed, else a seeded random-mutation driver built
-with g++. The number of executions is printed (run pytest with -s to see it)."""
+"""Fuzz targets (tests/fuzz/*.cc): the TCP wire parsing and handshake checks
+(fuzz_wire.cc), the all-to-all split-size check (fuzz_alltoall_splits.cc) and
+the sparse all-reduce's message decoder (fuzz_sparse.cc). libFuzzer with ASan/UBSan
+when clang is installed, else a seeded random-mutation driver built with g++ and
+the same sanitizers; a sanitizer report (UBSan included: no recovery) fails the
+test. The number of executions is printed (run pytest with -s to see it)."""
 import os
 import re
 import shutil
@@ -9,51 +12,47 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(ROOT, "tests", "fuzz", "fuzz_wire.cc")
-WIRE = [os.path.join(ROOT, "csrc", "transport", name) for name in ("wire.cc", "hmac.cc")]
 RUNS = int(os.environ.get("PYCOMM_FUZZ_RUNS", "300000"))
 
 
-def test_fuzz_wire_parser(tmp_path):
-    binary = str(tmp_path / "fuzz_wire")
+def _fuzz(tmp_path, harness, sources, max_len, runs=RUNS):
+    name = os.path.splitext(os.path.basename(harness))[0]
+    binary = str(tmp_path / name)
     clang = shutil.which("clang++")
-    flags = ["-std=c++17", "-g", "-O1", "-I", os.path.join(ROOT, "csrc")]
+    flags = ["-std=c++17", "-g", "-O1", "-I", os.path.join(ROOT, "csrc"), "-fno-sanitize-recover=all"]
+    harness = os.path.join(ROOT, "tests", "fuzz", harness)
+    sources = [os.path.join(ROOT, "csrc", s) for s in sources]
     if clang:
-        cmd = [clang, *flags, "-fsanitize=fuzzer,address,undefined", HARNESS, *WIRE, "-o", binary]
-        run = [binary, f"-runs={RUNS}", "-max_len=4096", str(tmp_path / "corpus")]
+        cmd = [clang, *flags, "-fsanitize=fuzzer,address,undefined", harness, *sources, "-o", binary]
+        run = [binary, f"-runs={runs}", f"-max_len={max_len}", str(tmp_path / "corpus")]
         os.makedirs(tmp_path / "corpus")
     else:
         gxx = shutil.which("g++")
         if gxx is None:
             pytest.skip("neither clang++ nor g++ is installed")
-        cmd = [gxx, *flags, "-DPYCOMM_FUZZ_STANDALONE", "-fsanitize=address,undefined", HARNESS, *WIRE,
+        cmd = [gxx, *flags, "-DPYCOMM_FUZZ_STANDALONE", "-fsanitize=address,undefined", harness, *sources,
                "-o", binary]
-        run = [binary, str(RUNS)]
+        run = [binary, str(runs)]
     subprocess.run(cmd, check=True, timeout=300)
     proc = subprocess.run(run, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
+    assert "runtime error" not in output, output[-4000:]
     done = re.search(r"Done (\d+) runs", output)
-    assert done and int(done.group(1)) >= RUNS, output[-2000:]
-    print(f"\nfuzz_wire: {done.group(0)} ({'libFuzzer' if clang else 'standalone'})")
+    assert done and int(done.group(1)) >= runs, output[-2000:]
+    print(f"\n{name}: {done.group(0)} ({'libFuzzer' if clang else 'standalone'})")
+
+
+def test_fuzz_wire_parser(tmp_path):
+    _fuzz(tmp_path, "fuzz_wire.cc", [os.path.join("transport", name) for name in ("wire.cc", "hmac.cc")],
+          max_len=4096)
+
+
+def test_fuzz_alltoall_splits(tmp_path):
+    _fuzz(tmp_path, "fuzz_alltoall_splits.cc", [os.path.join("algorithms", "alltoall_splits.cc")], max_len=256)
 
 
 def test_fuzz_sparse_decoder(tmp_path):
-    """The sparse all-reduce's message decoder (tests/fuzz/fuzz_sparse.cc) on what
-    a peer could send, under ASan/UBSan; every encoded message must decode back."""
-    harness = os.path.join(ROOT, "tests", "fuzz", "fuzz_sparse.cc")
-    source = os.path.join(ROOT, "csrc", "algorithms", "sparse_wire.cc")
-    binary = str(tmp_path / "fuzz_sparse")
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ is not installed")
-    flags = ["-std=c++17", "-g", "-O1", "-I", os.path.join(ROOT, "csrc"), "-DPYCOMM_FUZZ_STANDALONE",
-             "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-    subprocess.run([gxx, *flags, harness, source, "-o", binary], check=True, timeout=300)
-    runs = max(RUNS // 3, 1)  # each run decodes and round-trips a message: slower than fuzz_wire's
-    proc = subprocess.run([binary, str(runs)], capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    done = re.search(r"Done (\d+) runs", output)
-    assert done and int(done.group(1)) >= runs, output[-2000:]
-    print(f"\nfuzz_sparse: {done.group(0)}")
+    # Each run decodes and round-trips a message: slower than the others' runs.
+    _fuzz(tmp_path, "fuzz_sparse.cc", [os.path.join("algorithms", "sparse_wire.cc")], max_len=1024,
+          runs=max(RUNS // 3, 1))

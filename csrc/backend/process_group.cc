@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "algorithms/alltoall_splits.h"
 #include "backend/store_adapter.h"
 #include "backend/tensor_checks.h"
 #include "common/logging.h"
@@ -610,33 +611,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
   if (input.scalar_type() != output.scalar_type())
     usageError(where(name) + "input and output dtypes differ");
   const int n = getSize();
-  auto plan = [&](const at::Tensor& t, std::vector<int64_t> splits, const char* what) {
+  // The arithmetic (negative splits, sums past the rows or past int64, byte counts
+  // past size_t) is checked torch-free in algorithms/alltoall_splits.cc.
+  auto plan = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
     const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
     const size_t rowBytes = rows == 0 ? 0 : t.nbytes() / static_cast<size_t>(rows);
-    if (splits.empty()) {
-      if (rows % n != 0)
-        usageError(where(name) + what + " has " + std::to_string(rows) +
-              " rows, not divisible by the group size " + std::to_string(n));
-      splits.assign(n, rows / n);
-    }
-    if (static_cast<int>(splits.size()) != n)
-      usageError(where(name) + what + " splits need " + std::to_string(n) + " entries");
-    int64_t total = 0;
-    for (int64_t s : splits) {
-      if (s < 0) usageError(where(name) + what + " splits must not be negative");
-      total += s;
-    }
-    if (total != rows)
-      usageError(where(name) + what + " splits sum to " + std::to_string(total) + " but the tensor has " +
-            std::to_string(rows) + " rows");
-    std::vector<size_t> offsets(n), bytes(n);
-    size_t offset = 0;
-    for (int i = 0; i < n; ++i) {
-      offsets[i] = offset;
-      bytes[i] = static_cast<size_t>(splits[i]) * rowBytes;
-      offset += bytes[i];
-    }
-    return std::make_pair(offsets, bytes);
+    AlltoallLayout layout;
+    const std::string error = checkAlltoallSplits(splits, n, rows, rowBytes, what, &layout);
+    if (!error.empty()) usageError(where(name) + error);
+    return std::make_pair(std::move(layout.offsets), std::move(layout.bytes));
   };
   auto [sendOffsets, sendBytes] = plan(input, inputSplits, "input");
   auto [recvOffsets, recvBytes] = plan(output, outputSplits, "output");

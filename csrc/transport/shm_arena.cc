@@ -25,6 +25,11 @@ struct Header {
 
 size_t roundUp(size_t value, size_t to) { return (value + to - 1) / to * to; }
 
+// Where the control blocks start: after the header, at their own alignment (128:
+// each rank's on cache lines of its own; right after the 32-byte header they were
+// misaligned, which UBSan reports). Checked against Control in the constructor.
+constexpr size_t kControlsOffset = 128;
+
 }  // namespace
 
 ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<int> members,
@@ -32,9 +37,11 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
     : members_(std::move(members)), slotBytes_(roundUp(slotBytes, 4096)), depth_(depth), spread_(spread) {
   auto it = std::find(members_.begin(), members_.end(), self);
   PYCOMM_CHECK_INTERNAL(it != members_.end() && depth_ > 0, "bad arena membership");
+  static_assert(kControlsOffset >= sizeof(Header) && kControlsOffset % alignof(Control) == 0,
+                "control blocks misaligned");
   localRank_ = static_cast<int>(it - members_.begin());
   const size_t n = members_.size();
-  slotsOffset_ = roundUp(sizeof(Header) + n * sizeof(Control), 4096);
+  slotsOffset_ = roundUp(kControlsOffset + n * sizeof(Control), 4096);
   const size_t bytes = slotsOffset_ + n * static_cast<size_t>(depth_) * slotBytes_;
   // One arena per host: the key names the host by its lowest rank.
   mapSharedSegment(segment_, store, prefix, strCat("arena", members_.front()), members_, self, bytes);
@@ -59,7 +66,7 @@ std::string ShmArena::rankName(int groupRank) const {
 }
 
 ShmArena::Control& ShmArena::control(int localRank) const {
-  return reinterpret_cast<Control*>(segment_.data() + sizeof(Header))[localRank];
+  return reinterpret_cast<Control*>(segment_.data() + kControlsOffset)[localRank];
 }
 
 char* ShmArena::slot(int localRank, uint64_t segment) const {
