@@ -5,8 +5,8 @@
 // [0, rowCount) (the backend linearizes torch's sparse_dim indices into one id and
 // flattens the dense dimensions into the row).
 //
-//   local:   rows are coalesced first (sorted; duplicates summed in input order),
-//            unless already strictly ascending.
+//   local:   rows are coalesced (sorted; duplicates summed in input order) straight
+//            into this rank's payload, unless already strictly ascending.
 //   round 1: every rank all-gathers the 48-byte CooHeader of every rank (row count,
 //            payload size); a rank whose tensor differs in shape or dtype fails the
 //            call on every rank, naming both.
@@ -22,7 +22,6 @@
 // gloo's three, with 1-3 bytes per row id instead of 8 x sparse_dim.
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #include "algorithms/collectives.h"
@@ -38,26 +37,16 @@ bool strictlyAscending(const int64_t* rows, size_t nnz) {
   return true;
 }
 
-// Sorted unique rows, duplicates summed in their input order.
-void coalesceRows(const int64_t* rows, const char* values, size_t nnz, size_t rowElems, DataType dtype,
-                  std::vector<int64_t>& outRows, std::vector<char>& outValues) {
-  const size_t rowBytes = rowElems * elementSize(dtype);
-  std::vector<size_t> order(nnz);
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return rows[a] < rows[b]; });
-  outRows.clear();
-  outValues.resize(nnz * rowBytes);
-  char* dst = outValues.data();
-  for (size_t j : order) {
-    if (!outRows.empty() && outRows.back() == rows[j]) {
-      reduceInto(dst - rowBytes, values + j * rowBytes, rowElems, dtype, ReduceOp::kSum);
-      continue;
-    }
-    outRows.push_back(rows[j]);
-    if (rowBytes > 0) std::memcpy(dst, values + j * rowBytes, rowBytes);
-    dst += rowBytes;
-  }
-  outValues.resize(outRows.size() * rowBytes);
+// The order that sorts `rows` stably (by row, then input position): (row, position)
+// pairs, sorted. The unique rows go to `unique`.
+void sortRows(const int64_t* rows, size_t nnz, std::vector<std::pair<int64_t, size_t>>& sorted,
+              std::vector<int64_t>& unique) {
+  sorted.resize(nnz);
+  for (size_t j = 0; j < nnz; ++j) sorted[j] = {rows[j], j};
+  std::sort(sorted.begin(), sorted.end());
+  unique.clear();
+  for (const auto& entry : sorted)
+    if (unique.empty() || unique.back() != entry.first) unique.push_back(entry.first);
 }
 
 std::string describe(const CooHeader& h) {
@@ -84,15 +73,15 @@ void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nn
   const size_t elem = elementSize(dtype);
   const size_t rowBytes = rowElems * elem;
 
-  // ---- local: strictly ascending rows
+  // ---- local: strictly ascending rows (coalesced straight into the payload, below)
+  std::vector<std::pair<int64_t, size_t>> sorted;
   std::vector<int64_t> localRows;
-  std::vector<char> localValues;
   const int64_t* myRows = rows;
   const char* myValues = static_cast<const char*>(values);
-  if (!strictlyAscending(rows, nnz)) {
-    coalesceRows(rows, myValues, nnz, rowElems, dtype, localRows, localValues);
+  const bool coalesce = !strictlyAscending(rows, nnz);
+  if (coalesce) {
+    sortRows(rows, nnz, sorted, localRows);
     myRows = localRows.data();
-    myValues = localValues.data();
     nnz = localRows.size();
   }
 
@@ -123,7 +112,22 @@ void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nn
     offsets[j + 1] = offsets[j] + align64(bytes[j]);
   }
   char* payloads = comm.scratch(2, std::max<size_t>(offsets[n], 64));
-  encodeCoo(headers[r], myRows, myValues, reinterpret_cast<uint8_t*>(payloads + offsets[r]));
+  char* mine = reinterpret_cast<char*>(
+      encodeCooRows(headers[r], myRows, reinterpret_cast<uint8_t*>(payloads + offsets[r])));
+  if (!coalesce) {
+    if (nnz * rowBytes > 0) std::memcpy(mine, myValues, nnz * rowBytes);
+  } else {  // duplicates summed in their input order
+    char* dst = mine - rowBytes;
+    for (size_t j = 0; j < sorted.size(); ++j) {
+      const char* src = myValues + sorted[j].second * rowBytes;
+      if (j > 0 && sorted[j].first == sorted[j - 1].first) {
+        reduceInto(dst, src, rowElems, dtype, ReduceOp::kSum);
+      } else {
+        dst += rowBytes;
+        if (rowBytes > 0) std::memcpy(dst, src, rowBytes);
+      }
+    }
+  }
   if (n > 1) {
     std::vector<char*> chunks;
     for (int j = 0; j < n; ++j) chunks.push_back(payloads + offsets[j]);

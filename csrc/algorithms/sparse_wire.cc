@@ -149,14 +149,13 @@ CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t
   return h;
 }
 
-void encodeCoo(const CooHeader& h, const int64_t* rows, const void* values, uint8_t* out) {
+uint8_t* encodeCooRows(const CooHeader& h, const int64_t* rows, uint8_t* out) {
   uint8_t* p = out;
   for (size_t j = 0; j < h.nnz; ++j)
     p = putVarint(p, j == 0 ? static_cast<uint64_t>(rows[0]) : static_cast<uint64_t>(rows[j] - rows[j - 1] - 1));
-  const uint64_t valuesAt = cooValuesOffset(h.indexBytes);
-  std::memset(p, 0, out + valuesAt - p);
-  const uint64_t valueBytes = h.payloadBytes - valuesAt;
-  if (valueBytes > 0) std::memcpy(out + valuesAt, values, valueBytes);
+  uint8_t* values = out + cooValuesOffset(h.indexBytes);
+  std::memset(p, 0, values - p);
+  return values;
 }
 
 const char* checkCooHeader(const CooHeader& h) {

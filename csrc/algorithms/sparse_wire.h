@@ -89,8 +89,9 @@ inline uint64_t cooValuesOffset(uint64_t indexBytes) { return (indexBytes + 15) 
 size_t cooIndexBytes(const int64_t* rows, size_t nnz);
 // The header of `nnz` rows (strictly ascending) of `rowElems` elements of `dtype`.
 CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t rowElems, DataType dtype);
-// Writes the payload of h (rows, then padding, then values) at out (h.payloadBytes bytes).
-void encodeCoo(const CooHeader& h, const int64_t* rows, const void* values, uint8_t* out);
+// Writes the first part of h's payload at out: the row gaps and the padding. Returns
+// where the values go (out + cooValuesOffset(h.indexBytes)), for the caller to fill.
+uint8_t* encodeCooRows(const CooHeader& h, const int64_t* rows, uint8_t* out);
 // nullptr, or what is wrong with a peer's header (sizes that do not add up, a
 // dtype pycomm does not carry, more rows than the index space has). Whether the
 // header matches this rank's tensor is the caller's check.
