@@ -57,3 +57,24 @@ def test_fuzz_sparse_decoder(tmp_path):
     done = re.search(r"Done (\d+) runs", output)
     assert done and int(done.group(1)) >= runs, output[-2000:]
     print(f"\nfuzz_sparse: {done.group(0)}")
+
+
+def test_fuzz_coo_decoder(tmp_path):
+    """The COO all-reduce's header check and row decoder (tests/fuzz/fuzz_coo.cc) on
+    what a peer could send, under ASan/UBSan; every encoded payload must decode back."""
+    harness = os.path.join(ROOT, "tests", "fuzz", "fuzz_coo.cc")
+    source = os.path.join(ROOT, "csrc", "algorithms", "sparse_wire.cc")
+    binary = str(tmp_path / "fuzz_coo")
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    flags = ["-std=c++17", "-g", "-O1", "-I", os.path.join(ROOT, "csrc"), "-DPYCOMM_FUZZ_STANDALONE",
+             "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    subprocess.run([gxx, *flags, harness, source, "-o", binary], check=True, timeout=300)
+    runs = max(RUNS // 3, 1)
+    proc = subprocess.run([binary, str(runs)], capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    done = re.search(r"Done (\d+) runs", output)
+    assert done and int(done.group(1)) >= runs, output[-2000:]
+    print(f"\nfuzz_coo: {done.group(0)}")

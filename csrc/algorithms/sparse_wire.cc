@@ -154,7 +154,7 @@ uint8_t* encodeCooRows(const CooHeader& h, const int64_t* rows, uint8_t* out) {
   for (size_t j = 0; j < h.nnz; ++j)
     p = putVarint(p, j == 0 ? static_cast<uint64_t>(rows[0]) : static_cast<uint64_t>(rows[j] - rows[j - 1] - 1));
   uint8_t* values = out + cooValuesOffset(h.indexBytes);
-  std::memset(p, 0, values - p);
+  if (values > p) std::memset(p, 0, values - p);
   return values;
 }
 
