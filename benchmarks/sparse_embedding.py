@@ -11,7 +11,8 @@ feeds both the same batches, so after the run the two replicas must hold the sam
 parameters: checked in the same pass (max |difference| printed).
 
 Reported per backend, median over iterations after warm-up, in alternating rounds
-(pycomm, gloo, gloo, pycomm, ...) so drift on a shared machine hits both alike:
+(pycomm, gloo, gloo, pycomm, ...) so drift on a shared machine hits both alike; within a
+round the steps (or calls) run back to back, as in training, after one barrier:
 * step: forward + backward (DDP's all-reduces of the sparse table gradient and the
   dense head) + optimizer step, on rank 0;
 * sparse all_reduce: dist.all_reduce of one step's table gradient alone (as DDP
@@ -115,10 +116,9 @@ def worker(rank, world, init_method, cfg):
     bytes_gloo = []
 
     def run(name, iters, record):
+        dist.barrier(group=gloo)  # the block starts together; then steps run back to back
         for _ in range(iters):
             batch = make_batch(cfg, rank, steps[name])
-            if name != "local":
-                dist.barrier(group=gloo)  # start together: a step times this rank's wait for peers too
             sent0 = pycomm.stats()["bytes_sent"]
             t0 = time.perf_counter()
             step_once(ddps[name], opts[name], batch)
@@ -139,9 +139,9 @@ def worker(rank, world, init_method, cfg):
     local.zero_grad(set_to_none=True)
 
     def run_allreduce(name, iters):
-        for _ in range(iters):
-            t = table_grad.clone()
-            dist.barrier(group=gloo)
+        copies = [table_grad.clone() for _ in range(iters)]
+        dist.barrier(group=gloo)
+        for t in copies:  # back to back, as in training
             t0 = time.perf_counter()
             dist.all_reduce(t, group=groups[name])
             ar_times[name].append(time.perf_counter() - t0)
