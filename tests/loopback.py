@@ -5,12 +5,13 @@ as ranks over the loopback transport, on torch tensors. The C++ side
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 import cpp_build
 
-__all__ = ["build", "collective", "allreduce_quantized", "allreduce_sparse", "set_cpu_isa"]
+__all__ = ["build", "collective", "allreduce_quantized", "allreduce_sparse", "allreduce_coo", "set_cpu_isa"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,6 +96,30 @@ def allreduce_sparse(indices, values, count, residuals=None, value_dtype="float3
         [o.data_ptr() for o in outputs], count, None if residuals is None else [e.data_ptr() for e in residuals],
         value_dtype, keep_density, list(segments), timeout_seconds)
     return outputs, sent, kept
+
+
+def allreduce_coo(rows, values, row_count, op="sum", shm=False, timeout_seconds=60.0):
+    """The COO all-reduce (allreduce_coo.cc) on len(rows) threads: rank r holds row ids
+    rows[r] (int64, any order, repeats allowed) with values[r] (nnz x row elements, one
+    dtype). Returns each rank's (rows, values) result, values shaped (nnz, row elements)."""
+    n = len(rows)
+    if len(values) != n:
+        raise ValueError("one values tensor per rank")
+    dtypes = {v.dtype for v in values}
+    widths = {math.prod(v.shape[1:]) for v in values}
+    if len(dtypes) != 1 or len(widths) != 1:
+        raise ValueError("values must have one dtype and one row width")
+    dtype, width = dtypes.pop(), widths.pop()
+    for r, v in zip(rows, values):
+        if r.dtype != torch.int64 or not r.is_contiguous() or not v.is_contiguous() or r.numel() != v.shape[0]:
+            raise ValueError("rows must be contiguous int64, one per row of contiguous values")
+    out = build().allreduce_coo([r.data_ptr() for r in rows], [v.data_ptr() for v in values],
+                                [r.numel() for r in rows], row_count, width, _dtype_name(dtype), op, shm,
+                                timeout_seconds)
+    return [(torch.tensor(r, dtype=torch.int64),
+             torch.frombuffer(bytearray(b), dtype=dtype).reshape(len(r), width) if len(b) else
+             torch.empty(len(r), width, dtype=dtype))
+            for r, b in out]
 
 
 def set_cpu_isa(name: str) -> None:

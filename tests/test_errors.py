@@ -42,7 +42,9 @@ def _direct_allreduce_complex():
 # case is symmetric (all ranks make the same bad call), so none can hang.
 CASES = {
     "all_reduce non-contiguous": ("allreduce", lambda: dist.all_reduce(torch.ones(4, 4).t(), async_op=True)),
-    "all_reduce sparse": ("allreduce", lambda: dist.all_reduce(torch.ones(4).to_sparse(), async_op=True)),
+    # sparse tensors: all_reduce takes them with SUM/AVG (tests/test_sparse_allreduce.py)
+    "all_reduce sparse MAX": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX, async_op=True)),
     "all_reduce BAND float32": (
         "allreduce", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND, async_op=True)),
     "all_reduce BOR bfloat16": (

@@ -56,3 +56,9 @@ def test_fuzz_sparse_decoder(tmp_path):
     # Each run decodes and round-trips a message: slower than the others' runs.
     _fuzz(tmp_path, "fuzz_sparse.cc", [os.path.join("algorithms", "sparse_wire.cc")], max_len=1024,
           runs=max(RUNS // 3, 1))
+
+
+def test_fuzz_coo_decoder(tmp_path):
+    # The COO all-reduce's header check and row decoder; every encoded payload decodes back.
+    _fuzz(tmp_path, "fuzz_coo.cc", [os.path.join("algorithms", "sparse_wire.cc")], max_len=1024,
+          runs=max(RUNS // 3, 1))

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,24 @@ void scatter(Comm& comm, const std::vector<const char*>& inputs, void* output, s
 void alltoall(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
               const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes);
 void barrier(Comm& comm);
+
+// ---- sparse COO tensors (allreduce_coo.cc)
+
+// Where the result of allreduceCoo goes: `rows` (nnz int64) and `values` (nnz x
+// rowElems elements), from the caller's allocator, given the result's nnz.
+struct CooOutput {
+  int64_t* rows;
+  void* values;
+};
+using CooAllocate = std::function<CooOutput(size_t nnz)>;
+// All-reduce of sparse rows: rows[j] in [0, rowCount) (any order, repeats allowed)
+// holds values[j * rowElems .. +rowElems) of `dtype`. The result, from `allocate`, is
+// every row present on some rank, ascending, with the sum (SUM) or mean (AVG, floating
+// dtypes) of its values over ranks (ranks without the row add nothing); rows are
+// summed in rank order, so the result is bit-identical on every rank. Two all-gathers
+// (headers, then payloads); never the dense tensor. Other ops are a usage error.
+void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nnz, uint64_t rowCount,
+                  size_t rowElems, DataType dtype, ReduceOp op, const CooAllocate& allocate);
 
 // ---- compressed collectives (float32 gradients; allreduce_quantized.cc, allreduce_sparse.cc)
 

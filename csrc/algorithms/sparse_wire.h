@@ -9,6 +9,11 @@
 //            values in the wire value type;
 //   format 1 (dense):  every element of the chunk in the wire value type.
 // The wire value type is float32, float16 or bfloat16 (round to nearest even).
+//
+// The COO all-reduce (allreduce_coo.cc: torch's sparse COO tensors, rows of any
+// dtype) has its own format, below: a CooHeader every rank all-gathers first, then a
+// payload of the row ids as varints of their gaps, zero padding to 16 bytes, and the
+// rows' values as they are (nnz x rowElems elements of the header's dtype).
 #pragma once
 
 #include <cstddef>
@@ -56,5 +61,43 @@ inline uint64_t maxSparsePayloadBytes(size_t elements, size_t valueBytes) {
 
 // The value as the wire carries it.
 float wireRoundTrip(float v, DataType type);
+
+// LEB128 varints (little-endian groups of 7 bits). getVarint returns the byte after
+// the value, or nullptr when it runs past `end` or past 64 bits.
+size_t varintBytes(uint64_t v);
+uint8_t* putVarint(uint8_t* out, uint64_t v);
+const uint8_t* getVarint(const uint8_t* p, const uint8_t* end, uint64_t* v);
+
+// ---- COO rows (allreduce_coo.cc)
+
+constexpr uint32_t kCooFormat = 0x434f4f31;  // "COO1"
+
+struct CooHeader {
+  uint32_t format;        // kCooFormat
+  uint32_t dtype;         // DataType of the values
+  uint64_t rowCount;      // rows of the index space (product of the sparse sizes)
+  uint64_t rowElems;      // elements per row (product of the dense sizes)
+  uint64_t nnz;           // rows this rank sends, strictly ascending
+  uint64_t indexBytes;    // bytes of the varint gaps (the first gap is the first row)
+  uint64_t payloadBytes;  // cooValuesOffset(indexBytes) + nnz * rowElems * element size
+};
+static_assert(sizeof(CooHeader) == 48, "COO header is 48 bytes");
+
+// Where the values start in a payload: the index bytes padded to 16.
+inline uint64_t cooValuesOffset(uint64_t indexBytes) { return (indexBytes + 15) / 16 * 16; }
+// Bytes of the varint gaps of `nnz` strictly ascending non-negative rows.
+size_t cooIndexBytes(const int64_t* rows, size_t nnz);
+// The header of `nnz` rows (strictly ascending) of `rowElems` elements of `dtype`.
+CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t rowElems, DataType dtype);
+// Writes the first part of h's payload at out: the row gaps and the padding. Returns
+// where the values go (out + cooValuesOffset(h.indexBytes)), for the caller to fill.
+uint8_t* encodeCooRows(const CooHeader& h, const int64_t* rows, uint8_t* out);
+// nullptr, or what is wrong with a peer's header (sizes that do not add up, a
+// dtype pycomm does not carry, more rows than the index space has). Whether the
+// header matches this rank's tensor is the caller's check.
+const char* checkCooHeader(const CooHeader& h);
+// Decodes a checked header's rows into rows[0 .. h.nnz). nullptr, or what is wrong:
+// gaps past the index bytes, rows not strictly ascending or outside [0, rowCount).
+const char* decodeCooRows(const CooHeader& h, const uint8_t* payload, int64_t* rows);
 
 }  // namespace pycomm

@@ -41,6 +41,13 @@ CallSignature signature(const char* op, const at::Tensor* like = nullptr, int64_
   return sig;
 }
 
+// What a tensor holds: its storage bytes, or a sparse tensor's indices and values.
+uint64_t heldBytes(const at::Tensor& t) {
+  if (!t.defined()) return 0;
+  if (t.is_sparse()) return t._indices().nbytes() + t._values().nbytes();
+  return t.nbytes();
+}
+
 int64_t totalNumel(const Tensors& tensors) {
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
@@ -210,7 +217,7 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
     }
   }
   uint64_t tensorBytes = 0;
-  for (const auto& t : task.work->result()) tensorBytes += t.nbytes();
+  for (const auto& t : task.work->result()) tensorBytes += heldBytes(t);
   Stats::instance().recordOp(task.op, std::chrono::duration<double>(Clock::now() - started).count(),
                              tensorBytes, error != nullptr);
   if (inline_) {
@@ -298,6 +305,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(Tensors& tensors,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
                                                              const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
+    return allreduceCoo(tensors, opts);  // process_group_sparse.cc
   const at::Tensor& t = single("allreduce", tensors);
   const DataType dtype = toDataType("allreduce", t.scalar_type());
   const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);

@@ -139,6 +139,11 @@ class ProcessGroupPycomm : public c10d::Backend {
                                                        double keepDensity, bool asyncOp);
 
  private:
+  // dist.all_reduce of a sparse COO tensor (process_group_sparse.cc): the tensor
+  // becomes the coalesced sum (or mean) over ranks, in place, as on gloo.
+  c10::intrusive_ptr<c10d::Work> allreduceCoo(std::vector<at::Tensor>& tensors,
+                                              const c10d::AllreduceOptions& opts);
+
   using Body = std::function<void(Comm&)>;
   // Queues `body` for the worker; the returned work completes with `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,

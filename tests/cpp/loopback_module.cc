@@ -189,6 +189,42 @@ std::tuple<std::vector<size_t>, std::vector<size_t>> allreduceSparseRanks(
   return {sent, kept};
 }
 
+// The COO all-reduce of (rows[r], values[r]) with nnz[r] rows of rowElems elements
+// on each rank; shm: through a node-local arena (every collective on its shm path).
+// Returns each rank's result as (rows, the values' bytes).
+std::vector<std::tuple<std::vector<int64_t>, py::bytes>> allreduceCooRanks(
+    const Addresses& rows, const Addresses& values, const std::vector<size_t>& nnz, uint64_t rowCount,
+    size_t rowElems, const std::string& dtypeName, const std::string& op, bool shm, double timeoutSeconds) {
+  const int n = static_cast<int>(rows.size());
+  const DataType dtype = dataTypeOf(dtypeName);
+  const ReduceOp reduceOp = reduceOpOf(op);
+  const size_t rowBytes = rowElems * elementSize(dtype);
+  std::vector<std::vector<int64_t>> outRows(n);
+  std::vector<std::string> outValues(n);
+  MemoryStore store;
+  std::vector<int> everyone(n);
+  for (int r = 0; r < n; ++r) everyone[r] = r;
+  runLoopbackRanks(n, timeoutSeconds, [&](Comm& comm, int r) {
+    std::unique_ptr<ShmArena> arena;
+    if (shm && n > 1) {
+      arena = std::make_unique<ShmArena>(store, "loopback/", everyone, r, 64 * 1024, kArenaDepth,
+                                         /*spread=*/true);
+      comm.setArena(arena.get());
+    }
+    comm.begin("allreduce");
+    allreduceCoo(comm, at<int64_t>(rows[r]), at(values[r]), nnz[r], rowCount, rowElems, dtype, reduceOp,
+                 [&](size_t count) {
+                   outRows[r].resize(count);
+                   outValues[r].resize(std::max<size_t>(count * rowBytes, 1));
+                   return CooOutput{outRows[r].data(), outValues[r].data()};
+                 });
+    outValues[r].resize(outRows[r].size() * rowBytes);
+  });
+  std::vector<std::tuple<std::vector<int64_t>, py::bytes>> result;
+  for (int r = 0; r < n; ++r) result.emplace_back(outRows[r], py::bytes(outValues[r]));
+  return result;
+}
+
 void setCpuIsa(const std::string& name) {
   CpuIsa isa = bestCpuIsa();
   if (name != "auto" && !parseCpuIsa(name, &isa)) throw py::value_error("unknown instruction set " + name);
@@ -203,6 +239,7 @@ PYBIND11_MODULE(pycomm_loopback, m) {
   m.def("collective", &pycomm::collective);
   m.def("allreduce_quantized", &pycomm::allreduceQuantizedRanks);
   m.def("allreduce_sparse", &pycomm::allreduceSparseRanks);
+  m.def("allreduce_coo", &pycomm::allreduceCooRanks);
   // This module has its own copy of the reduction kernels: tests choosing an
   // instruction set for pycomm._C.kernels choose it here too.
   m.def("set_cpu_isa", &pycomm::setCpuIsa);
