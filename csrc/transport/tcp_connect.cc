@@ -151,7 +151,8 @@ struct Handshake {
     }
     while (got < in.size()) {
       const ssize_t n = ::recv(fd, in.data() + got, in.size() - got, 0);
-      if (n == 0) return "the connection was closed";
+      // A reset is a close too: the peer closed with bytes of ours unread.
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) return "the connection was closed";
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return "";
