@@ -109,7 +109,7 @@ def estimate_topk_threshold(x: torch.Tensor, k: int, sample_size: Optional[int] 
         sample_size = max(_MIN_SAMPLE, math.ceil(_SAMPLE_FRACTION * n))
     if sample_size >= n:
         return float(torch.topk(x.abs().float(), k, sorted=True).values[-1])
-    positions = torch.randint(n, (int(sample_size),), generator=generator, device=x.device)
+    positions = torch.randint(n, (int(sample_size),), generator=generator).to(x.device)  # drawn on the host
     sample = x[positions].abs().float()
     k_sample = max(1, min(sample.numel(), math.ceil(sample.numel() * k / n)))
     return float(torch.topk(sample, k_sample, sorted=True).values[-1])
@@ -214,7 +214,7 @@ def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 256, stochas
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = (blocks * (levels / safe).unsqueeze(1)).flatten()[:n]
     if stochastic:
-        y = torch.floor(y + torch.rand(n, generator=generator, device=x.device))
+        y = torch.floor(y + torch.rand(n, generator=generator).to(x.device))  # drawn on the host
     else:
         y = torch.round(y)
     q = y.clamp_(-levels, levels).to(torch.int8)

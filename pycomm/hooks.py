@@ -119,12 +119,31 @@ def _compressed_collective(group, kind: str) -> Optional[Callable]:
     Future[Tensor]`` that encodes the bucket with the C++ kernels (``pycomm._C.kernels``)
     and averages it with the C++ collective: the sparse all-reduce for ``kind ==
     "topk"``, the two-phase quantized all-reduce for ``kind == "quantize"``. Returns
-    None for any other backend; the hooks then use the all_gather exchange."""
+    None for any other backend; the hooks then use the all_gather exchange.
+
+    The compressed collectives run on host memory. A CUDA bucket is staged: copied to
+    the host (which waits for the stream that produced it), compressed and reduced
+    there, and the result copied back, so the error-feedback residuals of a CUDA model
+    live on the host. The result equals the same bucket's on CPU bit for bit."""
     backend = _pycomm_backend(group)
     if backend is None:
         return None
     fn = {"topk": _topk_pycomm, "quantize": _quantize_pycomm}[kind]
-    return lambda state, buffer, world, step, segments: fn(backend, state, buffer, world, step, segments)
+
+    def run(state, buffer, world, step, segments):
+        if buffer.device.type == "cpu":
+            return fn(backend, state, buffer, world, step, segments)
+        host = buffer.to("cpu")
+        return fn(backend, state, host, world, step, segments).then(_copied_into(buffer))
+
+    return run
+
+
+def _copied_into(buffer: torch.Tensor):
+    def finish(fut):
+        buffer.copy_(_future_tensor(fut))  # re-raises a failed collective
+        return buffer
+    return finish
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

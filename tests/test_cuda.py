@@ -3,7 +3,7 @@
 Every test here is skipped without a CUDA device (the `gpu` marker, conftest.py).
 Where torch sees a GPU, pycomm must have been built with CUDA: a CPU build there is
 a failure (rebuild: benchmarks/README.md, "On a GPU machine"), not a skip.
-NOT YET RUN ON A GPU at the time of writing.
+First run on a GPU (one H100) on 2026-11-22: benchmarks/gpu_check.sh.
 
 Tolerances (stated once):
   * reduce / divide_: bit-identical to the CPU kernels (same semantics: float16 and
@@ -22,6 +22,8 @@ Tolerances (stated once):
     AVG rel 1e-6), the other collectives equal to gloo on CPU copies of the same data.
   * DDP on a CUDA model: pycomm vs gloo on the same GPU, same hook: final
     parameters within 1e-5 (the hooks' arithmetic is the same torch code).
+  * compressed collectives (exchange="auto") on a CUDA bucket: results and residuals
+    bit-identical to the same bucket on CPU (the bucket is staged through the host).
 """
 from __future__ import annotations
 
@@ -364,7 +366,7 @@ def collectives_worker(ctx):
 
 def test_collectives_on_cuda_tensors_match_gloo():
     rets = spawn_run(collectives_worker, 2, timeout_s=400, pg_timeout_s=120).check().returns
-    for rank, out in enumerate(rets):
+    for rank, out in sorted(rets.items()):
         for key, value in out.items():
             if key == "noncontiguous":
                 assert "tensors must be contiguous" in value, value
@@ -379,6 +381,10 @@ def test_collectives_on_cuda_tensors_match_gloo():
 # --------------------------------------------------------------------------- DDP hooks
 
 def ddp_cuda_worker(ctx, hook_name):
+    """DDP on a CUDA model, the same hook on pycomm and on gloo. The compressed hooks
+    use the all_gather exchange here (the same torch arithmetic on both backends); the
+    pycomm compressed collectives on CUDA buckets are compared with CPU buckets in
+    test_compressed_hooks_stage_cuda_buckets."""
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -394,9 +400,11 @@ def ddp_cuda_worker(ctx, hook_name):
         if hook_name == "allreduce":
             ddp.register_comm_hook(None, hooks.allreduce_hook)
         elif hook_name == "topk":
-            ddp.register_comm_hook(hooks.TopKState(None, density=0.1, seed=1), hooks.topk_hook)
+            ddp.register_comm_hook(hooks.TopKState(None, density=0.1, seed=1, exchange="allgather"),
+                                   hooks.topk_hook)
         elif hook_name == "quantize":
-            ddp.register_comm_hook(hooks.QuantizeState(None, bits=8, seed=1), hooks.quantize_hook)
+            ddp.register_comm_hook(hooks.QuantizeState(None, bits=8, seed=1, exchange="allgather"),
+                                   hooks.quantize_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(1000 + ctx.rank)
         for step in range(20):
@@ -422,7 +430,44 @@ def ddp_cuda_worker(ctx, hook_name):
 def test_ddp_on_cuda_model_matches_gloo(hook_name):
     rets = spawn_run(ddp_cuda_worker, 2, args=(hook_name,), make_ref=False, timeout_s=300,
                      pg_timeout_s=60).check().returns
-    for rank, out in enumerate(rets):
+    for rank, out in sorted(rets.items()):
         for name, value in out["pycomm"].items():
             assert torch.allclose(value, out["gloo"][name], rtol=1e-5, atol=1e-6), (rank, name)
             assert torch.allclose(value, rets[0]["pycomm"][name], rtol=0, atol=0), (rank, name, "ranks differ")
+
+
+def staged_hooks_worker(ctx):
+    """pycomm's compressed collectives (exchange="auto") on a CUDA bucket and on the same
+    bucket on CPU, three steps each with error feedback: results and residuals."""
+    from pycomm import hooks as H
+    from test_hooks import _Bucket
+
+    torch.cuda.set_device(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3000, 17, 5000)]
+    out = {}
+    for name, make, hook in (("topk", lambda: H.TopKState(density=0.05, seed=3), H.topk_hook),
+                             ("quantize", lambda: H.QuantizeState(bits=4, seed=3), H.quantize_hook)):
+        states = {"cpu": make(), "cuda": make()}
+        for step in range(3):
+            grads = gen(sum(p.numel() for p in params), seed=10 * step + ctx.rank, device="cpu")
+            for dev, state in states.items():
+                ctx.progress(f"{name} {dev} step {step}")
+                bucket = _Bucket(params, [grads.to(dev)], 0, True)
+                result = hook(state, bucket).wait()
+                assert result.device.type == dev, (name, dev, result.device)
+                out[(name, dev, step)] = result.cpu()
+        for dev, state in states.items():
+            out[(name, dev, "residuals")] = {o: r.cpu() for o, r in state.state_dict()["residuals"].items()}
+    return out
+
+
+def test_compressed_hooks_stage_cuda_buckets():
+    rets = spawn_run(staged_hooks_worker, 2, make_ref=False, timeout_s=300, pg_timeout_s=60).check().returns
+    for rank, out in sorted(rets.items()):
+        for name in ("topk", "quantize"):
+            for step in range(3):
+                assert torch.equal(out[(name, "cuda", step)], out[(name, "cpu", step)]), (rank, name, step)
+            cpu_res, cuda_res = out[(name, "cpu", "residuals")], out[(name, "cuda", "residuals")]
+            assert sorted(cpu_res) == sorted(cuda_res) and cpu_res, (rank, name)
+            for o in cpu_res:
+                assert torch.equal(cuda_res[o], cpu_res[o]), (rank, name, o)
