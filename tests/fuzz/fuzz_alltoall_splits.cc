@@ -133,6 +133,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #ifdef PYCOMM_FUZZ_STANDALONE
+#include "standalone.h"
 namespace {
 
 // Fixed cases: what each verdict must be (issue #13's wrapping sums among them).
@@ -173,15 +174,9 @@ void regressions() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const long runs = argc > 1 ? std::atol(argv[1]) : 100000;
+  const long runs = pycomm_fuzz::runsFromArgs(argc, argv);
   regressions();
-  uint64_t state = 0x243f6a8885a308d3ull;
-  auto next = [&state] {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    return state;
-  };
+  pycomm_fuzz::Xorshift next(0x243f6a8885a308d3ull);
   uint8_t buffer[160];
   for (long run = 0; run < runs; ++run) {
     const size_t size = next() % sizeof(buffer);

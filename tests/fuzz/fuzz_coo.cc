@@ -76,17 +76,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #ifdef PYCOMM_FUZZ_STANDALONE
+#include "standalone.h"
 // A seeded mutation loop for machines without libFuzzer: half the inputs are valid
 // header + payload pairs with a few bytes flipped, so the decoder's inner paths run.
 int main(int argc, char** argv) {
-  const long runs = argc > 1 ? std::atol(argv[1]) : 100000;
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  auto next = [&state] {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    return state;
-  };
+  const long runs = pycomm_fuzz::runsFromArgs(argc, argv);
+  pycomm_fuzz::Xorshift next(0x9e3779b97f4a7c15ull);
   std::vector<uint8_t> buffer(2048);
   for (long run = 0; run < runs; ++run) {
     size_t size = next() % buffer.size();

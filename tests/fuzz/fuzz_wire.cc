@@ -111,18 +111,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #ifdef PYCOMM_FUZZ_STANDALONE
+#include "standalone.h"
 // A seeded mutation loop for machines without libFuzzer: random bytes, often
 // shaped into a valid handshake (right fields, right MACs) and frames, then
 // sometimes one byte flipped, so the accept and the reject paths both run.
 int main(int argc, char** argv) {
-  const long runs = argc > 1 ? std::atol(argv[1]) : 100000;
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  auto next = [&state] {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    return state;
-  };
+  const long runs = pycomm_fuzz::runsFromArgs(argc, argv);
+  pycomm_fuzz::Xorshift next(0x9e3779b97f4a7c15ull);
   constexpr size_t kHandshakeBytes = sizeof(Hello) + sizeof(Challenge) + sizeof(Proof);
   uint8_t buffer[768];
   long validHandshakes = 0;
