@@ -247,6 +247,28 @@ def test_cli_pycomm_vs_gloo(tmp_path):
     assert f"# plot: {plot}" in proc.stdout
 
 
+@requires_backend
+def test_cli_tcp_reference_line(tmp_path):
+    """--tcp-reference: raw TCP between the same ranks in the ring's pattern, measured in
+    the same run, printed as the reference for busbw and kept in the JSON."""
+    out = tmp_path / "out.json"
+    args = ["-n", "2", "-b", "64K", "-e", "256K", "-f", "4", "--iters", "2", "--warmup", "1",
+            "--algos", "ring", "--peer", "none", "--tcp-reference", "--json", str(out)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    meta, _ = _load_rows(out)
+    rates = meta["tcp_ring_rates"]
+    assert len(rates) == 2 and all(r > 0.01 for r in rates), rates  # > 10 MB/s: bytes really moved
+    assert meta["tcp_ring_gbps"] == min(rates)
+    assert "# raw TCP, ring pattern" in proc.stdout, proc.stdout
+    assert "% of raw TCP" in proc.stdout, proc.stdout
+    # Off by default on the default transport: no reference, nothing printed.
+    out2 = tmp_path / "out2.json"
+    proc = _run_module("pycomm.bench", args[:-3] + ["--json", str(out2)], tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    assert _load_rows(out2)[0]["tcp_ring_gbps"] is None and "raw TCP" not in proc.stdout
+
+
 def _synthetic_result(with_mpi=True):
     sizes = [8, 1024, 2 ** 20]
     rows = []

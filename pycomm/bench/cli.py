@@ -61,6 +61,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="after the sweep, run the same sweep through Open MPI (mpirun + "
                              "mpi4py, python -m pycomm.bench.mpi) and print one table with every "
                              "peer; its rows go to --json and --plot too")
+    parser.add_argument("--tcp-reference", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure raw TCP between the same ranks in the ring's pattern (one "
+                             "stream out, one in, at once) and print it as the reference for busbw "
+                             "(default: on when PYCOMM_TRANSPORT=tcp)")
     return parser
 
 
@@ -87,6 +91,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         timeout_s=args.timeout,
         plot_path=args.plot_path,
         mpi=args.mpi,
+        tcp_reference=args.tcp_reference,
     )
     try:
         cfg.validate()

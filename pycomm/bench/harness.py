@@ -89,6 +89,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
 
     memcpy_gbps = memcpy_bandwidth() if rank == 0 else 0.0
     control.barrier()
+    link_gbps, link_rates = _tcp_reference(cfg, control, rank, world_size)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
@@ -100,6 +101,8 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "python_version": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
         "memcpy_gbps": memcpy_gbps,
+        "tcp_ring_gbps": link_gbps,
+        "tcp_ring_rates": link_rates,
         "dtype": cfg.dtype,
         "op": cfg.op_name,
         "backend": cfg.backend,
@@ -119,6 +122,21 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
     printer.footer(result)
     control.barrier()
     return result
+
+
+def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_size: int):
+    """(slowest rank's GB/s, every rank's) of raw TCP in the ring's pattern, or (None,
+    None) when not asked for (pycomm.bench.link)."""
+    from ..config import bind_address, load_config
+
+    config = load_config()
+    wanted = cfg.tcp_reference if cfg.tcp_reference is not None else (
+        cfg.backend == "pycomm" and config.transport == "tcp")
+    if not wanted or world_size < 2:
+        return None, None
+    from .link import tcp_ring_bandwidth
+
+    return tcp_ring_bandwidth(control.group, rank, world_size, bind_address(config))
 
 
 def run_benchmark(cfg: BenchConfig) -> BenchResult:

@@ -8,6 +8,7 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+from .link import LINK_SECONDS
 from .sweep import (
     BLOCK_MEDIUM,
     BLOCK_MEDIUM_BYTES,
@@ -77,6 +78,10 @@ class TablePrinter:
                     f"torch threads/rank {meta['torch_threads']}")
         self._print(f"# memcpy (1 thread, {format_size(MEMCPY_BYTES)}, median of {MEMCPY_REPEATS}): "
                     f"{meta['memcpy_gbps']:.2f} GB/s")
+        if meta.get("tcp_ring_gbps") is not None:
+            self._print(f"# raw TCP, ring pattern (each rank 1 stream out + 1 in at once, "
+                        f"{LINK_SECONDS:g} s): {meta['tcp_ring_gbps']:.2f} GB/s (slowest rank; "
+                        f"ranks {', '.join(f'{r:.2f}' for r in meta['tcp_ring_rates'])})")
         self._print(f"# backend {meta['backend']}, algorithms {','.join(meta['algos'])}, "
                     f"peer {meta['peer'] or 'none'}; iters {meta['iters']} (fewer from "
                     f"{format_size(LARGE_BYTES)} up, at least {MIN_LARGE_ITERS}), warmup {meta['warmup']}, "
@@ -156,6 +161,14 @@ class TablePrinter:
                       if row["name"] == run.name and row["busbw_gbps"] is not None]
             average = sum(values) / len(values) if values else float("nan")
             self._print(f"# avg busbw {run.name:<16}: {fmt(average, 8).strip()} GB/s")
+        link = result.meta.get("tcp_ring_gbps")
+        if link:
+            largest = max(row["size_bytes"] for row in rows)
+            for run in self.runs:
+                row = next((r for r in rows if r["size_bytes"] == largest and r["name"] == run.name), None)
+                if row is not None and row["busbw_gbps"] is not None:
+                    self._print(f"# busbw {run.name:<16} at {format_size(largest)}: "
+                                f"{100.0 * row['busbw_gbps'] / link:.0f}% of raw TCP ({link:.2f} GB/s)")
         failures = [row for row in rows if row["check"] in ("FAIL", "ERR")]
         for row in failures[:10]:
             detail = f": {row['error']}" if row["error"] else ""
@@ -316,6 +329,10 @@ def write_plot(result: BenchResult, path: str) -> None:
     if memcpy:
         ax_bw.axhline(memcpy, color="black", linestyle=":", linewidth=1.2,
                       label=f"memcpy, 1 thread ({memcpy:.1f} GB/s)")
+    link = meta.get("tcp_ring_gbps")
+    if link:
+        ax_bw.axhline(link, color="gray", linestyle="-.", linewidth=1.2,
+                      label=f"raw TCP, ring pattern ({link:.2f} GB/s)")
     for ax in (ax_bw, ax_t):
         ax.set_xscale("log", base=2)
         sizes = sorted({row["size_bytes"] for row in rows})

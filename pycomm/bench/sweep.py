@@ -301,6 +301,9 @@ class BenchConfig:
     quiet: bool = False
     plot_path: Optional[str] = None
     mpi: bool = False
+    # The raw-TCP reference line (pycomm.bench.link): None = on when pycomm runs over TCP
+    # only (PYCOMM_TRANSPORT=tcp).
+    tcp_reference: Optional[bool] = None
 
     @property
     def op_name(self) -> str:
