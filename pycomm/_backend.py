@@ -1,7 +1,9 @@
 """Registration of the "pycomm" torch.distributed backend and per-group controls."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
 
 import torch
@@ -35,8 +37,21 @@ def _store_prefix() -> str:
     return f"pycomm/attempt{attempt}/"
 
 
+def _shared_cost_model(store, rank: int, model):
+    """Rank 0's cost model, on every rank: `auto` must choose the same algorithm
+    everywhere, and hosts may hold different calibrations. One store round trip."""
+    key = _store_prefix() + "cost_model"
+    if rank == 0:
+        store.set(key, json.dumps(model))
+        return model
+    return json.loads(store.get(key).decode())
+
+
 def _create_backend(dist_opts, backend_options=None):
     config = load_config()
+    if dist_opts.group_size > 1:
+        config = dataclasses.replace(
+            config, cost_model=_shared_cost_model(dist_opts.store, dist_opts.group_rank, config.cost_model))
     options = group_config(
         config,
         timeout=_timedelta(dist_opts.timeout),

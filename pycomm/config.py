@@ -35,6 +35,12 @@ PYCOMM_SECRET          (unset)    the job secret's text, the same on every rank:
 PYCOMM_SECRET_FILE     (unset)    path of a file holding the job secret (instead of
                                   PYCOMM_SECRET; surrounding whitespace and the final
                                   newline are ignored). Setting both is an error
+PYCOMM_COST_MODEL      (cache)    the constants of the all-reduce cost model that
+                                  auto uses among the network algorithms: unset =
+                                  this host's calibration cache if there is one
+                                  (python -m pycomm.plan --calibrate writes it),
+                                  "default" = the built-in constants, or the path of
+                                  a calibration JSON. Every rank uses rank 0's
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -53,19 +59,23 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fcntl
+import json
 import os
 import socket
 import struct
 
 from . import _C
 
-__all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", "ALGORITHMS", "TRANSPORTS"]
+__all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", "ALGORITHMS", "TRANSPORTS",
+           "COST_FIELDS", "cost_cache_path", "read_cost_model"]
 
 ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK",
-            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE")
+            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE", "PYCOMM_COST_MODEL")
 # "auto" and the all-reduce table's names, from the C++ core (allreduce_registry.h).
 ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
+# The constants of the cost model (csrc/common/cost_model.h), as named in Python.
+COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +89,9 @@ class Config:
     debug: bool = False
     # The job secret (PYCOMM_SECRET / PYCOMM_SECRET_FILE); "" when unset. Kept out of repr().
     secret: str = dataclasses.field(default="", repr=False)
+    # The cost model's constants ({field: seconds} over COST_FIELDS), or None for the
+    # built-in ones (PYCOMM_COST_MODEL).
+    cost_model: dict | None = None
 
 
 def _flag(env, name: str, default: str) -> bool:
@@ -112,7 +125,46 @@ def load_config(environ=None) -> Config:
     spread = env.get("PYCOMM_SHM_SPREAD", "1").strip() != "0"
     return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
                   transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"),
-                  secret=_secret(env))
+                  secret=_secret(env), cost_model=_cost_model(env))
+
+
+def cost_cache_path(environ=None) -> str:
+    """Where this host's calibration is cached: $XDG_CACHE_HOME (or ~/.cache)
+    /pycomm/cost_model-<hostname>.json."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pycomm", f"cost_model-{socket.gethostname()}.json")
+
+
+def read_cost_model(path: str) -> dict:
+    """The constants of a calibration file ({field: seconds} over COST_FIELDS);
+    ValueError naming the file when it is not one."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+        model = {name: float(data["model"][name]) for name in COST_FIELDS}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"pycomm: {path} is not a pycomm cost-model calibration ({exc}); "
+                         "make one with python -m pycomm.plan --calibrate") from None
+    bad = [name for name, value in model.items() if not (value >= 0.0 and value < 1.0)]
+    if bad:
+        raise ValueError(f"pycomm: {path}: {', '.join(bad)} out of range (seconds, in [0, 1))")
+    return model
+
+
+def _cost_model(env) -> dict | None:
+    knob = env.get("PYCOMM_COST_MODEL", "").strip()
+    if knob == "default":
+        return None
+    if knob:
+        return read_cost_model(knob)
+    cached = cost_cache_path(env)
+    if not os.path.exists(cached):
+        return None
+    try:
+        return read_cost_model(cached)
+    except ValueError:
+        return None  # a damaged cache is ignored (PYCOMM_COST_MODEL=path reports it)
 
 
 def _secret(env) -> str:
@@ -153,6 +205,9 @@ def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: s
     options.shm_spread = config.shm_spread
     options.debug = config.debug
     options.secret = config.secret
+    if config.cost_model is not None:
+        for name, value in config.cost_model.items():
+            setattr(options.cost, name, value)
     return options
 
 

@@ -21,6 +21,7 @@ void allreduceHierarchical(Comm& comm, void* buf, size_t count, DataType dtype, 
     // Among the leaders only the network algorithms fit (each leader is a host of its own).
     Topology leaderTopology;
     leaderTopology.ranks = leaderTopology.hosts = static_cast<int>(leaders.size());
+    leaderTopology.cost = comm.costModel();
     const AllreduceAlgorithm& algorithm =
         chooseAllreduceAlgorithm(count * elementSize(dtype), leaderTopology);
     leaderComm.beginWithin(comm, std::string("hierarchical/") + algorithm.name);

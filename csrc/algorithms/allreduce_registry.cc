@@ -1,17 +1,28 @@
 // The all-reduce table, its cost model and `auto`.
 //
-// Cost model (alpha-beta): a message costs alpha (latency, the per-message
-// overhead) plus bytes * beta. For n ranks and S bytes per rank:
-//   ring:    2(n-1) alpha + 2(n-1)/n S beta
-//   sharded: 2 log2(n) alpha + 2(n-1)/n S beta    (power-of-two n; halving/doubling)
-//            2 alpha + (n-1) gamma + 2(n-1)/n S beta   (other n; n-1 messages in flight)
-//   tree:    2 log2(n) alpha + 2 log2(n) S beta    (the root link carries every child)
-// The constants are per-message and per-byte costs of the TCP transport on one
-// host. The shared-memory family (shm on one host, hierarchical across hosts
-// with shared ones) is preferred wherever it fits: its cost is 0, since the model
-// does not yet rank it against the network algorithms.
+// Cost model (alpha-beta-gamma, the constants in common/cost_model.h): a message
+// costs alpha plus bytes * beta, reducing costs gamma per byte. For n ranks and S
+// bytes per rank:
+//   ring:    2(n-1) alpha + 2(n-1)/n S beta + (n-1)/n S gamma
+//   sharded: 2 log2(n) alpha + 2(n-1)/n S beta + (n-1)/n S gamma   (power-of-two n;
+//            halving/doubling)
+//            2 alpha + (n-1) delta + the same byte terms   (other n: n-1 messages in flight)
+//   tree:    2 log2(n) alpha + 2 log2(n) S beta + log2(n) S gamma   (the root link
+//            carries every child)
+//   shm:     2 shmAlpha + 2(n-1)/n S shmBeta + (n-1)/n S gamma   (one host: through
+//            the arena)
+//   hierarchical: shm inside each host (L ranks), the cheapest network algorithm
+//            among the H host leaders, then a broadcast inside each host
+//            (shmAlpha + S shmBeta)
+// Where the shared-memory family fits, `auto` takes it (preferredWhereFits: measured
+// faster than the TCP algorithms at every size here, and the model does not capture
+// what makes it so, such as per-host NIC sharing); the model ranks the network
+// algorithms, also among the host leaders inside hierarchical, and its figures for
+// the shared-memory family serve the planner. python -m pycomm.plan measures a
+// host's constants and prints what they predict.
 #include "algorithms/allreduce_registry.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -23,44 +34,71 @@ namespace pycomm {
 
 namespace {
 
-constexpr double kAlpha = 30e-6;       // seconds per message hop
-constexpr double kGamma = 8e-6;        // extra seconds per concurrent message
-constexpr double kBeta = 1.0 / 2.0e9;  // seconds per byte
 constexpr double kNever = std::numeric_limits<double>::infinity();
 // Two ranks: ring and tree both take two messages, and the model's byte terms
 // would always favour the ring; measured, the tree's single round trip wins up
-// to 4 KiB. The ring's second phase is charged that much.
-constexpr double kTwoRankRingPhase = 4097 * kBeta;
+// to 4 KiB. The ring's second phase is charged that many bytes.
+constexpr double kTwoRankRingPhaseBytes = 4097;
 
 double log2Steps(int n) { return std::ceil(std::log2(static_cast<double>(n))); }
-double share(size_t bytes, int n) { return 2.0 * (n - 1) / n * static_cast<double>(bytes) * kBeta; }
+double bytesOf(size_t bytes) { return static_cast<double>(bytes); }
+// What a reduce-scatter plus all-gather moves and reduces per rank.
+double shareTerms(size_t bytes, int n, const CostModel& m) {
+  const double part = static_cast<double>(n - 1) / n * bytesOf(bytes);
+  return 2.0 * part * m.beta + part * m.gamma;
+}
 
 bool always(const Topology&) { return true; }
 
+struct Choice {
+  const AllreduceAlgorithm* entry;
+  double cost;
+};
+Choice cheapest(size_t bytes, const Topology& topology);  // below the table
+
 double ringCost(size_t bytes, const Topology& t) {
+  const CostModel& m = t.cost;
   const int n = t.ranks;
-  if (n <= 2) return 2.0 * kAlpha + static_cast<double>(bytes) * kBeta + kTwoRankRingPhase;
-  return 2.0 * (n - 1) * kAlpha + share(bytes, n);
+  if (n <= 2)
+    return 2.0 * m.alpha + (bytesOf(bytes) + kTwoRankRingPhaseBytes) * m.beta + 0.5 * bytesOf(bytes) * m.gamma;
+  return 2.0 * (n - 1) * m.alpha + shareTerms(bytes, n, m);
 }
 
 double shardedCost(size_t bytes, const Topology& t) {
+  const CostModel& m = t.cost;
   const int n = t.ranks;
   if (n <= 2) return kNever;  // on two ranks: the ring without its pipeline
   const bool powerOfTwo = (n & (n - 1)) == 0;
-  return (powerOfTwo ? 2.0 * log2Steps(n) * kAlpha : 2.0 * kAlpha + (n - 1) * kGamma) + share(bytes, n);
+  return (powerOfTwo ? 2.0 * log2Steps(n) * m.alpha : 2.0 * m.alpha + (n - 1) * m.delta) +
+         shareTerms(bytes, n, m);
 }
 
 double treeCost(size_t bytes, const Topology& t) {
+  const CostModel& m = t.cost;
   const int n = std::max(t.ranks, 2);
   const double steps = log2Steps(n);
-  return 2.0 * steps * kAlpha + 2.0 * steps * static_cast<double>(bytes) * kBeta;
+  return 2.0 * steps * m.alpha + 2.0 * steps * bytesOf(bytes) * m.beta + steps * bytesOf(bytes) * m.gamma;
 }
 
 bool shmFits(const Topology& t) { return t.oneHost; }
-double shmCost(size_t, const Topology& t) { return t.ranks > 1 ? 0.0 : kNever; }
+double shmCostOf(size_t bytes, int n, const CostModel& m) {
+  const double part = static_cast<double>(n - 1) / n * bytesOf(bytes);
+  return 2.0 * m.shmAlpha + 2.0 * part * m.shmBeta + part * m.gamma;
+}
+double shmCost(size_t bytes, const Topology& t) {
+  return t.ranks > 1 ? shmCostOf(bytes, t.ranks, t.cost) : kNever;
+}
 
 bool hierarchicalFits(const Topology& t) { return t.hosts > 1 && t.hosts < t.ranks; }
-double hierarchicalCost(size_t, const Topology&) { return 0.0; }
+double hierarchicalCost(size_t bytes, const Topology& t) {
+  const CostModel& m = t.cost;
+  const int local = (t.ranks + t.hosts - 1) / t.hosts;  // the most ranks on one host
+  Topology leaders;
+  leaders.ranks = leaders.hosts = t.hosts;
+  leaders.cost = m;
+  const double inside = local > 1 ? shmCostOf(bytes, local, m) + m.shmAlpha + bytesOf(bytes) * m.shmBeta : 0.0;
+  return inside + cheapest(bytes, leaders).cost;
+}
 
 std::string joinedNames() {
   std::string text;
@@ -77,6 +115,7 @@ Topology topologyOf(const Comm& comm) {
   t.ranks = comm.size();
   t.hosts = static_cast<int>(comm.hostLeaders().size());
   t.oneHost = comm.size() == 1 || (comm.arena() != nullptr && comm.arena()->localSize() == comm.size());
+  t.cost = comm.costModel();
   return t;
 }
 
@@ -87,10 +126,10 @@ const std::vector<AllreduceAlgorithm>& allreduceAlgorithms() {
       {"tree", always, "", treeCost, allreduceTree},
       {"shm", shmFits,
        "every rank of the group on one host (and PYCOMM_TRANSPORT other than tcp)", shmCost,
-       allreduceShm},
+       allreduceShm, true},
       {"hierarchical", hierarchicalFits,
        "a group over several hosts, some with several ranks (and PYCOMM_TRANSPORT other than tcp)",
-       hierarchicalCost, allreduceHierarchical},
+       hierarchicalCost, allreduceHierarchical, true},
   };
   return table;
 }
@@ -114,16 +153,36 @@ void checkFits(const AllreduceAlgorithm& algorithm, const Topology& topology) {
                      algorithm.needs);
 }
 
-const AllreduceAlgorithm& chooseAllreduceAlgorithm(size_t bytes, const Topology& topology) {
-  // The cheapest that fits; strict comparison keeps the first of equal costs.
-  const AllreduceAlgorithm* best = nullptr;
-  double bestCost = kNever;
+namespace {
+
+Choice cheapest(size_t bytes, const Topology& topology) {
+  // The first preferred entry that fits at a finite cost, else the cheapest that fits; strict
+  // comparison keeps the first of equal costs.
+  for (const auto& entry : allreduceAlgorithms()) {
+    if (!entry.preferredWhereFits || !entry.fits(topology)) continue;
+    const double cost = entry.cost(bytes, topology);
+    if (cost < kNever) return {&entry, cost};  // (shm on one rank: nothing to share)
+  }
+  Choice best{nullptr, kNever};
   for (const auto& entry : allreduceAlgorithms()) {
     if (!entry.fits(topology)) continue;
     const double cost = entry.cost(bytes, topology);
-    if (best == nullptr || cost < bestCost) best = &entry, bestCost = cost;
+    if (best.entry == nullptr || cost < best.cost) best = {&entry, cost};
   }
-  return *best;  // ring always fits
+  return best;  // ring always fits
+}
+
+}  // namespace
+
+const AllreduceAlgorithm& chooseAllreduceAlgorithm(size_t bytes, const Topology& topology) {
+  return *cheapest(bytes, topology).entry;
+}
+
+std::vector<std::pair<std::string, double>> allreduceCosts(size_t bytes, const Topology& topology) {
+  std::vector<std::pair<std::string, double>> costs;
+  for (const auto& entry : allreduceAlgorithms())
+    if (entry.fits(topology)) costs.emplace_back(entry.name, entry.cost(bytes, topology));
+  return costs;
 }
 
 const AllreduceAlgorithm& resolveAllreduceAlgorithm(const AllreduceAlgorithm* setting, size_t bytes,

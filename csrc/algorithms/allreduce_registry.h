@@ -11,15 +11,17 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "algorithms/comm.h"
+#include "common/cost_model.h"
 #include "common/dtype.h"
 #include "common/reduce_op.h"
 
 namespace pycomm {
 
-// The shape of a group as the algorithms see it.
+// The shape of a group as the algorithms see it, and what its links cost.
 struct Topology {
   int ranks = 1;
   // Hosts the group spans, one entry per host leader (0: unknown, e.g. with
@@ -27,6 +29,8 @@ struct Topology {
   int hosts = 0;
   // Every rank shares the node-local shared-memory arena (true for one rank).
   bool oneHost = false;
+  // The constants of the cost model (the group's; the built-in defaults otherwise).
+  CostModel cost;
 };
 Topology topologyOf(const Comm& comm);
 
@@ -40,6 +44,10 @@ struct AllreduceAlgorithm {
   double (*cost)(size_t bytes, const Topology& topology);
   // In place, with SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR (allreduce() turns AVG into SUM).
   void (*run)(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op);
+  // `auto` takes it wherever it fits, whatever the costs (the shared-memory family:
+  // measured faster than the TCP algorithms at every size wherever it runs; its
+  // modelled cost serves the planner).
+  bool preferredWhereFits = false;
 };
 
 // The table, in tie-breaking order.
@@ -55,9 +63,12 @@ inline const char* settingName(const AllreduceAlgorithm* setting) {
 }
 // A usage error naming what `algorithm` needs when it cannot run on `topology`.
 void checkFits(const AllreduceAlgorithm& algorithm, const Topology& topology);
-// What `auto` runs: the entry with the lowest cost among those that fit (the
-// first one on ties).
+// What `auto` runs: the first preferred entry that fits, else the entry with the
+// lowest cost among those that fit (the first one on ties), under topology.cost.
 const AllreduceAlgorithm& chooseAllreduceAlgorithm(size_t bytes, const Topology& topology);
+// Every entry that fits `topology`, with its predicted seconds for `bytes` (the
+// planner's view of what `auto` compares), in table order.
+std::vector<std::pair<std::string, double>> allreduceCosts(size_t bytes, const Topology& topology);
 // What a setting runs for `bytes` on `topology`: the fixed entry (checked to fit)
 // or auto's choice.
 const AllreduceAlgorithm& resolveAllreduceAlgorithm(const AllreduceAlgorithm* setting, size_t bytes,

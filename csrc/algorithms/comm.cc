@@ -25,6 +25,7 @@ Comm& Comm::leaderComm() {
   if (!leaderComm_) {
     leaderView_ = std::make_unique<SubTransport>(transport_, hostLeaders_);
     leaderComm_ = std::make_unique<Comm>(*leaderView_, timeout_, segmentBytes_);
+    leaderComm_->setCostModel(costModel_);
   }
   return *leaderComm_;
 }

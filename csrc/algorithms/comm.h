@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cost_model.h"
 #include "common/error.h"
 #include "transport/shm_arena.h"
 #include "transport/transport.h"
@@ -36,6 +37,9 @@ class Comm {
   // As above with a per-op timeout (torch's per-call options).
   void begin(const std::string& op, std::chrono::milliseconds timeout);
   void setAlgorithm(const std::string& algorithm) { algorithm_ = algorithm; }
+  // The cost model `auto` uses on this group (common/cost_model.h).
+  const CostModel& costModel() const { return costModel_; }
+  void setCostModel(const CostModel& model) { costModel_ = model; }
   // Starts a collective that is part of `outer`'s (a sub-group's share of it):
   // same op, tag, timeout and deadline.
   void beginWithin(const Comm& outer, const std::string& algorithm);
@@ -106,6 +110,7 @@ class Comm {
   Clock::time_point deadline_;
   std::string op_;
   std::string algorithm_;
+  CostModel costModel_;
   ShmArena* arena_ = nullptr;
   std::vector<int> hostLeaders_;
   std::unique_ptr<Transport> leaderView_;

@@ -27,6 +27,16 @@ PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");
   py::object backendBase = py::module_::import("torch._C._distributed_c10d").attr("Backend");
 
+  // The cost model's constants (common/cost_model.h); pycomm/plan.py measures them.
+  py::class_<pycomm::CostModel>(m, "CostModel")
+      .def(py::init<>())
+      .def_readwrite("alpha", &pycomm::CostModel::alpha)
+      .def_readwrite("beta", &pycomm::CostModel::beta)
+      .def_readwrite("gamma", &pycomm::CostModel::gamma)
+      .def_readwrite("delta", &pycomm::CostModel::delta)
+      .def_readwrite("shm_alpha", &pycomm::CostModel::shmAlpha)
+      .def_readwrite("shm_beta", &pycomm::CostModel::shmBeta);
+
   // The one options object (common/group_config.h); pycomm/config.py fills it.
   py::class_<pycomm::GroupConfig>(m, "GroupConfig")
       .def(py::init<>())
@@ -40,7 +50,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("transport", &pycomm::GroupConfig::transport)
       .def_readwrite("shm_spread", &pycomm::GroupConfig::shmSpread)
       .def_readwrite("debug", &pycomm::GroupConfig::debug)
-      .def_readwrite("secret", &pycomm::GroupConfig::secret);
+      .def_readwrite("secret", &pycomm::GroupConfig::secret)
+      .def_readwrite("cost", &pycomm::GroupConfig::cost);
 
   py::class_<ProcessGroupPycomm, c10::intrusive_ptr<ProcessGroupPycomm>>(m, "ProcessGroupPycomm",
                                                                         backendBase)
@@ -127,13 +138,29 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("allreduce_algorithms", &pycomm::allreduceAlgorithmNames,
         "the all-reduce algorithm settings: 'auto', then the table of allreduce_registry.h");
+  auto topologyOf = [](int worldSize, bool oneHost, int hosts, const std::optional<pycomm::CostModel>& cost) {
+    pycomm::Topology topology;
+    topology.ranks = worldSize;
+    topology.hosts = hosts;
+    topology.oneHost = oneHost;
+    if (cost) topology.cost = *cost;
+    return topology;
+  };
   m.def("_select_algorithm",
-        [](size_t bytes, int worldSize, bool oneHost, int hosts) {
-          pycomm::Topology topology;
-          topology.ranks = worldSize;
-          topology.hosts = hosts;
-          topology.oneHost = oneHost;
-          return std::string(pycomm::chooseAllreduceAlgorithm(bytes, topology).name);
+        [topologyOf](size_t bytes, int worldSize, bool oneHost, int hosts,
+                     const std::optional<pycomm::CostModel>& cost) {
+          return std::string(
+              pycomm::chooseAllreduceAlgorithm(bytes, topologyOf(worldSize, oneHost, hosts, cost)).name);
         },
-        py::arg("nbytes"), py::arg("world_size"), py::arg("one_host") = false, py::arg("hosts") = 0);
+        py::arg("nbytes"), py::arg("world_size"), py::arg("one_host") = false, py::arg("hosts") = 0,
+        py::arg("cost") = py::none());
+  m.def("allreduce_costs",
+        [topologyOf](size_t bytes, int worldSize, bool oneHost, int hosts,
+                     const std::optional<pycomm::CostModel>& cost) {
+          return pycomm::allreduceCosts(bytes, topologyOf(worldSize, oneHost, hosts, cost));
+        },
+        py::arg("nbytes"), py::arg("world_size"), py::arg("one_host") = false, py::arg("hosts") = 0,
+        py::arg("cost") = py::none(),
+        "[(algorithm, predicted seconds)] for every all-reduce algorithm that fits: the cost "
+        "model auto uses (allreduce_registry.cc), with `cost` or the built-in constants");
 }

@@ -114,6 +114,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Transport> transport, Gro
 void ProcessGroupPycomm::start() {
   comm_ = std::make_unique<Comm>(group_->transport(), config_.timeout, config_.segmentBytes);
   comm_->setArena(group_->arena());
+  comm_->setCostModel(config_.cost);
   comm_->setHostLeaders(hostLeaders_);
   try {
     const AllreduceAlgorithm* setting = findAllreduceAlgorithm(config_.algorithm);

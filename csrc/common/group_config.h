@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "common/cost_model.h"
+
 namespace pycomm {
 
 struct GroupConfig {
@@ -38,6 +40,9 @@ struct GroupConfig {
   // are authenticated with a key derived from it and nothing secret is written to the
   // store. Empty: rank 0 draws a random secret into the store. Never logged.
   std::string secret;
+  // The cost model `auto` chooses the all-reduce algorithm with (the host's cached
+  // calibration, PYCOMM_COST_MODEL; the built-in defaults otherwise).
+  CostModel cost;
 };
 
 }  // namespace pycomm

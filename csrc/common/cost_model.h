@@ -1,0 +1,26 @@
+// What moving and reducing bytes costs a group: the constants of the all-reduce
+// cost model (algorithms/allreduce_registry.cc), the one model both `auto` and the
+// planner (python -m pycomm.plan) use. The defaults are this project's 2-core VM
+// over TCP loopback; `python -m pycomm.plan --calibrate` measures a host's and
+// caches them, and pycomm/config.py passes the cache to every group (GroupConfig::cost).
+#pragma once
+
+namespace pycomm {
+
+struct CostModel {
+  // Between ranks over the network transport: seconds per message (latency plus
+  // per-message overhead) and per byte.
+  double alpha = 30e-6;
+  double beta = 1.0 / 2.0e9;
+  // Seconds per byte reduced (the CPU reduction kernel). 0 in the defaults, whose
+  // beta was fitted to whole all-reduces and so already holds it.
+  double gamma = 0.0;
+  // Seconds per extra message in flight at once towards one rank (incast).
+  double delta = 8e-6;
+  // Among the ranks of one host, through the shared-memory arena: seconds per step
+  // (a flag wait) and per byte moved.
+  double shmAlpha = 2e-6;
+  double shmBeta = 1.0 / 10.0e9;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,183 @@
+"""The all-reduce cost model and the planner (pycomm/plan.py, allreduce_registry.cc).
+
+* the C++ formulas, read through pycomm._C.allreduce_costs, against the closed forms;
+* the built-in constants keep auto's choices (the table's known crossovers), and other
+  constants change them;
+* PYCOMM_COST_MODEL and the per-host cache reach a group, and every rank of a group
+  uses rank 0's model (auto must agree everywhere);
+* the planner's tables, break-even link speeds and calibration fit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import pycomm
+from mp_util import spawn_run
+from pycomm import config as C
+from pycomm import plan
+
+K = pycomm._C
+S = 1 << 20
+
+
+def model(**changes):
+    m = dict(plan.DEFAULT_MODEL)
+    m.update(changes)
+    return m
+
+
+def cost_object(values):
+    obj = K.CostModel()
+    for name, value in values.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def costs(nbytes, ranks, one_host=False, hosts=0, values=None):
+    return dict(K.allreduce_costs(nbytes, ranks, one_host, hosts, cost_object(values or plan.DEFAULT_MODEL)))
+
+
+def test_formulas_match_closed_forms():
+    m = model(alpha=10e-6, beta=1e-9, gamma=0.25e-9, delta=5e-6, shm_alpha=1e-6, shm_beta=0.1e-9)
+    a, b, g, d = m["alpha"], m["beta"], m["gamma"], m["delta"]
+    c4 = costs(S, 4, values=m)
+    assert set(c4) == {"ring", "sharded", "tree"}  # shm and hierarchical do not fit
+    assert c4["ring"] == pytest.approx(6 * a + 2 * 0.75 * S * b + 0.75 * S * g)
+    assert c4["sharded"] == pytest.approx(4 * a + 2 * 0.75 * S * b + 0.75 * S * g)
+    assert c4["tree"] == pytest.approx(4 * a + 4 * S * b + 2 * S * g)
+    c5 = costs(S, 5, values=m)
+    assert c5["sharded"] == pytest.approx(2 * a + 4 * d + 2 * 0.8 * S * b + 0.8 * S * g)
+    c2 = costs(S, 2, values=m)
+    assert c2["ring"] == pytest.approx(2 * a + (S + 4097) * b + 0.5 * S * g)
+    assert c2["sharded"] == math.inf
+    shm = costs(S, 4, one_host=True, values=m)["shm"]
+    assert shm == pytest.approx(2 * m["shm_alpha"] + 2 * 0.75 * S * m["shm_beta"] + 0.75 * S * g)
+    # hierarchical, 2 hosts x 2 ranks: shm inside, the best of 2 leaders, a broadcast inside.
+    h = costs(S, 4, hosts=2, values=m)["hierarchical"]
+    inside = 2 * m["shm_alpha"] + 2 * 0.5 * S * m["shm_beta"] + 0.5 * S * g + m["shm_alpha"] + S * m["shm_beta"]
+    assert h == pytest.approx(inside + c2["ring"])
+
+
+def test_builtin_constants_keep_autos_choices():
+    pick = K._select_algorithm
+    assert pick(4096, 2) == "tree" and pick(4097 * 2, 2) == "ring"  # the 2-rank crossover
+    assert pick(S, 4, True) == "shm" and pick(8, 8, True) == "shm"  # one host: shm everywhere
+    assert pick(S, 4, False, 2) == "hierarchical" and pick(8, 6, False, 3) == "hierarchical"
+    assert pick(S, 1, True) == "ring"  # one rank: nothing to share
+    assert pick(S, 4) == "sharded" and pick(S, 3) in ("ring", "sharded")
+    # The same with the constants passed explicitly.
+    assert pick(S, 4, False, 0, cost_object(plan.DEFAULT_MODEL)) == "sharded"
+
+
+def test_other_constants_change_autos_choice():
+    pick = K._select_algorithm
+    # 5 ranks: sharded pays 2 alpha + 4 delta, ring 8 alpha.
+    assert pick(S, 5, False, 0, cost_object(model(alpha=1e-3, delta=1e-6))) == "sharded"
+    assert pick(S, 5, False, 0, cost_object(model(alpha=1e-7, delta=1e-2))) == "ring"
+    # The shared-memory family stays preferred wherever it fits, whatever the constants.
+    assert pick(S, 4, True, 0, cost_object(model(shm_beta=1e-3))) == "shm"
+
+
+def test_cost_model_config(tmp_path, monkeypatch):
+    assert C.load_config({"PYCOMM_COST_MODEL": "default"}).cost_model is None
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"model": model(alpha=1e-3)}))
+    assert C.load_config({"PYCOMM_COST_MODEL": str(path)}).cost_model["alpha"] == 1e-3
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="bad.json is not a pycomm cost-model calibration"):
+        C.load_config({"PYCOMM_COST_MODEL": str(bad)})
+    bad.write_text(json.dumps({"model": model(beta=-1.0)}))
+    with pytest.raises(ValueError, match="beta out of range"):
+        C.load_config({"PYCOMM_COST_MODEL": str(bad)})
+    # Unset: this host's cache when there is one (a damaged cache is ignored).
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    assert C.load_config(env).cost_model is None
+    cache = C.cost_cache_path(env)
+    os.makedirs(os.path.dirname(cache))
+    with open(cache, "w") as handle:
+        json.dump({"model": model(delta=1e-2)}, handle)
+    assert C.load_config(env).cost_model["delta"] == 1e-2
+    with open(cache, "w") as handle:
+        handle.write("not json")
+    assert C.load_config(env).cost_model is None
+    options = C.group_config(C.Config(cost_model=model(alpha=2e-3)), timeout=__import__("datetime").timedelta(1),
+                             bind_address="127.0.0.1", global_ranks=[0], store_prefix="p/")
+    assert options.cost.alpha == 2e-3 and options.cost.beta == plan.DEFAULT_MODEL["beta"]
+
+
+def _rank0_model_worker(ctx, paths):
+    # Each rank points PYCOMM_COST_MODEL at its own file before creating a group:
+    # rank 0's ring-favouring model must win on every rank.
+    os.environ["PYCOMM_COST_MODEL"] = paths[ctx.rank]
+    group = dist.new_group(backend="pycomm")
+    return pycomm.select_algorithm(S, group=group)
+
+
+def test_every_rank_uses_rank0s_model(tmp_path):
+    favour_ring = tmp_path / "ring.json"
+    favour_ring.write_text(json.dumps({"model": model(alpha=1e-7, delta=1e-2)}))
+    favour_sharded = tmp_path / "sharded.json"
+    favour_sharded.write_text(json.dumps({"model": model(alpha=1e-3, delta=1e-6)}))
+    paths = [str(favour_ring), str(favour_sharded), str(favour_sharded)]
+    rets = spawn_run(_rank0_model_worker, 3, args=(paths,), env={"PYCOMM_TRANSPORT": "tcp"},
+                     timeout_s=120, pg_timeout_s=30).check().returns
+    assert [rets[r] for r in range(3)] == ["ring"] * 3, rets
+
+
+def test_planner_tables_and_break_even():
+    m = model(gamma=0.2e-9)
+    codec = {"topk": 1e-9, "quantize": 0.5e-9}
+    topo = plan.Topology(4, 2, gbps=1.0, latency_s=20e-6)
+    c = plan.predict(m, topo, 64 << 20, codec)
+    assert {"ring", "sharded", "tree", "hierarchical", "topk d=0.01", "quantize 8-bit"} <= set(c)
+    assert plan.Topology(4, 2, 1.0).model(m)["beta"] == pytest.approx(8e-9)
+    assert topo.model(m)["alpha"] == pytest.approx(20e-6 + m["alpha"])
+    # Compression pays below some link speed, and less so at a higher density.
+    slow = plan.break_even_gbps(m, topo, 64 << 20, "topk d=0.001", codec)
+    assert slow is not None and 0 < slow < math.inf
+    dense_at, comp_at = plan.winners(plan.predict(m, plan.Topology(4, 1, slow * 0.5), 64 << 20, codec))
+    assert comp_at.startswith(("topk", "quantize")), (dense_at, comp_at)
+    assert plan.break_even_gbps(m, topo, 64 << 20, "topk d=0.01", codec) < slow
+    lines = plan.table(m, codec, topo, sizes=(1 << 10, 1 << 20))
+    assert "hierarchical" in lines[-1] and len(lines) == 4
+    with pytest.raises(ValueError, match="hosts and ranks per host must be >= 1"):
+        plan.Topology(0, 2)
+
+
+def test_fit_line_recovers_constants():
+    a, b = 50e-6, 1e-9
+    points = [(float(s), a + b * s) for s in (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    fa, fb = plan._fit_line(points)
+    assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
+
+
+def test_cli_predicts_without_a_calibration(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pycomm.plan", "--hosts", "2", "--ranks-per-host", "2",
+                           "--bandwidth", "1gbit", "--latency", "50us", "--extrapolate"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "built-in constants" in proc.stdout and "4 ranks" in proc.stdout
+    assert "link speed below which" in proc.stdout and "4096 ranks (512 hosts)" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "pycomm.plan", "--model", str(tmp_path / "none.json"),
+                           "--hosts", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "hosts and ranks per host must be >= 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_calibrate_and_cache(tmp_path):
+    calibration = plan.calibrate(max_bytes=1 << 18, iters=3, verbose=False)
+    m = calibration["model"]
+    assert all(m[name] > 0 for name in ("alpha", "beta", "gamma", "shm_alpha", "shm_beta")), m
+    assert calibration["codec"]["topk"] > 0 and calibration["points"]["ring_tcp"]
+    path = plan.save_calibration(calibration, str(tmp_path / "c.json"))
+    loaded, codec, source = plan.load_calibration(path)
+    assert loaded == pytest.approx(m) and source == path and codec == calibration["codec"]
