@@ -10,6 +10,8 @@ process: pytest, spawned ranks, C++ test programs. A test during which a report
 appears fails with it, even when the process that wrote it had already
 reported its result (a report at interpreter exit, a rank whose exit code no
 harness looks at).
+
+PYCOMM_COST_MODEL defaults to "default" here (below).
 """
 import os
 
@@ -17,6 +19,11 @@ import pytest
 import torch
 
 SANITIZER_LOGS = os.environ.get("PYCOMM_SANITIZER_LOGS")
+
+# The built-in cost-model constants, whatever this host has cached (python -m
+# pycomm.plan --calibrate): tests that check auto's choices expect them. Tests of the
+# cache pass their own environment (test_plan.py).
+os.environ.setdefault("PYCOMM_COST_MODEL", "default")
 
 
 def _sanitizer_reports():
