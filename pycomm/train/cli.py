@@ -220,6 +220,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         summary = run(cfg, nprocs, launcher.get("threads"))
+    except ConfigError as exc:  # a usage error found at launch (hogwild under torchrun, ...)
+        print(exc, file=sys.stderr)
+        return 2
     except (RuntimeError, ValueError, OSError) as exc:
         message = str(exc)
         if not message.startswith(_PREFIX):
