@@ -68,7 +68,7 @@ _HELP = {
     "consensus_every": "gossip: report the consensus distance every K steps (0: never)",
     "local_epochs": "fedavg: local epochs per round",
     "participation": "fedavg: fraction of ranks (seeded subset) that train in each round",
-    "noniid": "fedavg: split the data by label, Dirichlet(ALPHA) per label over ranks (default: IID)",
+    "noniid": "fedavg: split the data by label, Dirichlet(ALPHA) per label over ranks (None: IID)",
     "straggler": "RANK:FACTOR: rank RANK sleeps so that its steps take FACTOR x its compute time",
 }
 
