@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -66,6 +67,17 @@ def _two_ranks_worker(ctx):
     out["fedavg_half"] = _fit(ctx, steps=60, strategy="fedavg", participation=0.5, batch_size=125)
     ctx.progress("straggler")
     out["straggler"] = _fit(ctx, steps=30, straggler="1:5")
+    # fedavg stopped mid-round (step 10 of 6-step rounds), checkpointed, resumed by a new trainer
+    ctx.progress("fedavg resume")
+    run = dict(steps=20, strategy="fedavg", participation=0.5, noniid=0.5, batch_size=125)
+    directory = os.path.join(ctx.tmpdir, "fedavg_ckpt")
+    first = Trainer(_cfg(checkpoint_dir=directory, **run), control_group=ctx.ref)
+    head = first.fit(max_steps=10)
+    first.save_checkpoint()
+    tail = Trainer(_cfg(checkpoint_dir=directory, resume="auto", **run), control_group=ctx.ref).fit()
+    out["fedavg_resumed"] = {"losses": [l for _, l in head["losses"] + tail["losses"]], "local": tail["local_params"],
+                             "params": tail["params"], "summary": tail["strategy_summary"]}
+    out["fedavg_straight"] = _fit(ctx, **run)
     return out
 
 
@@ -112,6 +124,13 @@ def test_decentralised_two_ranks():
     per_step = r0["straggler"]["wall_s"] / 30, r0["sync"]["wall_s"] / 60
     assert per_step[0] > 1.5 * per_step[1], per_step
     assert r0["straggler"]["losses"] == r0["sync"]["losses"][:30]  # slower, not different
+
+    # fedavg resumed mid-round continues exactly (shards, participants, global model, RNG)
+    for r in results:
+        assert r["fedavg_resumed"]["losses"] == r["fedavg_straight"]["losses"]
+        assert torch.equal(r["fedavg_resumed"]["local"], r["fedavg_straight"]["local"])
+        assert torch.equal(r["fedavg_resumed"]["params"], r["fedavg_straight"]["params"])
+        assert r["fedavg_resumed"]["summary"] == r["fedavg_straight"]["summary"]
 
 
 # ---------------------------------------------------------------------------

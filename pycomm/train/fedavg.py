@@ -140,11 +140,6 @@ class FedAvgStrategy(Strategy):
         return cls(group, control_group, cfg.hook, cfg.local_epochs, cfg.participation, cfg.noniid, cfg.seed,
                    cfg.batch_size * cfg.accum_steps)
 
-    def wrap(self, model: nn.Module, device_ids=None):
-        ddp = super().wrap(model, device_ids)
-        self.global_flat = flat_parameters(self.module)  # after DDP's broadcast: rank 0's weights
-        return ddp
-
     def make_sampler(self, task, seed: int) -> ShardSampler:
         count = task.x_train.shape[0]
         if self.noniid is None:
@@ -181,13 +176,23 @@ class FedAvgStrategy(Strategy):
         if self._last_round_step != step:
             self.aggregate(step)  # the last, shorter round
 
+    def _global_model_flat(self) -> torch.Tensor:
+        """Collective: the latest global model; before the first round of this process (a
+        fresh start, where the replicas are equal, or a resume from a checkpoint of another
+        strategy) the sample-weighted mean of the replicas, over the control group."""
+        if self.global_flat is None:
+            flat = flat_parameters(self.module).cpu().mul_(self.shard_sizes[self.rank] / sum(self.shard_sizes))
+            dist.all_reduce(flat, group=self.control_group)
+            self.global_flat = flat.to(next(self.module.parameters()).device)
+        return self.global_flat
+
     def consensus_model(self) -> nn.Module:
         model = copy.deepcopy(self.module)
-        _assign_flat(model, self.global_flat)
+        _assign_flat(model, self._global_model_flat())
         return model
 
     def worker_distance(self) -> Optional[float]:
-        distance = torch.tensor([float((flat_parameters(self.module) - self.global_flat).norm())])
+        distance = torch.tensor([float((flat_parameters(self.module) - self._global_model_flat()).norm())])
         dist.all_reduce(distance, op=dist.ReduceOp.MAX, group=self.control_group)
         return float(distance)
 
@@ -198,14 +203,20 @@ class FedAvgStrategy(Strategy):
     # -- checkpoint state ------------------------------------------------------------------
     def rank_state(self) -> Dict[str, Any]:
         state = super().rank_state()
-        state.update(global_flat=self.global_flat.cpu().clone(), rounds_done=self.rounds_done,
-                     last_round_step=self._last_round_step, participation_log=self.participation_log)
+        state.update(rounds_done=self.rounds_done, last_round_step=self._last_round_step,
+                     participation_log=self.participation_log)
         return state
 
     def load_rank_state(self, state: Dict[str, Any]) -> None:
         super().load_rank_state(state)
-        if "global_flat" in state:
-            self.global_flat = state["global_flat"].to(self.global_flat.device)
+        if "rounds_done" in state:
             self.rounds_done = int(state["rounds_done"])
             self._last_round_step = int(state["last_round_step"])
             self.participation_log = [list(p) for p in state["participation_log"]]
+
+    def shared_state(self) -> Dict[str, Any]:
+        return {"global_model": self._global_model_flat().cpu().clone()}  # the same on every rank
+
+    def load_shared_state(self, state: Dict[str, Any]) -> None:
+        if "global_model" in state:
+            self.global_flat = state["global_model"].to(next(self.module.parameters()).device)
