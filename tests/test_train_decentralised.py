@@ -201,9 +201,10 @@ def test_hogwild_two_workers():
     summary = hogwild.run_hogwild(_cfg(strategy="hogwild", steps=60), nprocs=2, timeout_s=RUN_TIMEOUT_S)
     assert summary["strategy_summary"]["updates"] == 120 and summary["steps"] == 60
     assert summary["final"]["test_accuracy"] > 0.85, summary["final"]
-    # both workers trained the one shared model
+    # both workers trained the one shared model, starting together from the untrained one
     for worker in (0, 1):
         losses = summary["workers"][worker]["losses"]
+        assert losses[0] > 1.5, (worker, losses[:5])
         assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), (worker, losses)
 
 

@@ -66,7 +66,7 @@ def hogwild_order(num_samples: int, worker: int, workers: int, seed: int, epoch:
     return list(iter(sampler))
 
 
-def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, conn) -> None:
+def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, conn, start_barrier=None) -> None:
     try:
         torch.set_num_threads(threads)
         from .trainer import _lr_lambda
@@ -91,6 +91,8 @@ def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, co
         records: List[Dict[str, Any]] = []
         order: List[int] = []
         elapsed = 0.0
+        if start_barrier is not None:  # start together: process start-up takes seconds and varies
+            start_barrier.wait(timeout=cfg.timeout_s)
         for step in range(total):
             start = time.perf_counter()
             epoch, position = divmod(step, steps_per_epoch)
@@ -141,9 +143,10 @@ def run_hogwild(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
+    barrier = ctx.Barrier(nprocs)
     for worker in range(nprocs):
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(worker, nprocs, cfg, model, threads, writer),
+        proc = ctx.Process(target=_worker, args=(worker, nprocs, cfg, model, threads, writer, barrier),
                            name=f"pycomm-hogwild{worker}", daemon=True)
         proc.start()
         writer.close()
