@@ -265,7 +265,8 @@ def test_gossip_topologies():
             for i, peers in graph.items():
                 for j in [i, *peers]:
                     mixing[i, j] = 1.0 / (len(peers) + 1)
-            assert torch.allclose(mixing, mixing.T) and torch.allclose(mixing.sum(0), torch.ones(world, dtype=torch.float64))
+            assert torch.allclose(mixing, mixing.T)
+            assert torch.allclose(mixing.sum(0), torch.ones(world, dtype=torch.float64))
 
 
 def test_straggler_parsing():

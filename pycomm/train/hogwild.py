@@ -1,8 +1,9 @@
 """Hogwild! (Recht, Re, Wright and Niu 2011): ``--strategy hogwild``, one host.
 
 The parent process builds the model, moves its parameters to shared memory
-(``Module.share_memory()``, i.e. ``share_memory_()`` on every tensor) and starts ``n`` worker processes (``torch.multiprocessing``,
-spawn). Every worker computes gradients on its own shard of the data (the same
+(``Module.share_memory()``, i.e. ``share_memory_()`` on every tensor) and starts ``n``
+worker processes (``torch.multiprocessing``, spawn), which start training together
+behind a barrier. Every worker computes gradients on its own shard of the data (the same
 ``DistributedSampler`` split as the data-parallel strategies) and applies its optimizer
 step straight to the shared parameters, without locks: workers may read parameters
 that another worker is half-way through writing. Recht et al. prove this converges when
