@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from ..launch import launch_workers, torchrun_env
 from .config import ConfigError, TrainConfig, load_yaml
+from .straggler import check_straggler_rank
 
 __all__ = ["main", "build_parser", "parse_config", "run"]
 
@@ -35,7 +36,7 @@ _PREFIX = "pycomm train:"
 _HELP = {
     "task": "built-in task: digits-mlp, digits-cnn, tinylm",
     "dropout": "dropout probability (default: the task's)",
-    "strategy": "sync (DDP + comm hook), local_sgd, easgd",
+    "strategy": "sync (DDP + comm hook), local_sgd, easgd, gossip, fedavg, hogwild (one host)",
     "hook": "comm hook for sync steps: allreduce, fp16, bf16, or package.module:attribute",
     "local_sgd_period": "local SGD: average the models every H steps",
     "local_sgd_warmup": "local SGD: synchronous steps before going local",
@@ -63,6 +64,12 @@ _HELP = {
     "checkpoint_every": "checkpoint every N steps (0: at the end only)",
     "resume": "checkpoint file or directory to resume from, or 'auto' (latest in --checkpoint-dir, if any)",
     "fail_at_step": argparse.SUPPRESS,
+    "topology": "gossip: ring or exp (exponential graph) of neighbours",
+    "consensus_every": "gossip: report the consensus distance every K steps (0: never)",
+    "local_epochs": "fedavg: local epochs per round",
+    "participation": "fedavg: fraction of ranks (seeded subset) that train in each round",
+    "noniid": "fedavg: split the data by label, Dirichlet(ALPHA) per label over ranks (None: IID)",
+    "straggler": "RANK:FACTOR: rank RANK sleeps so that its steps take FACTOR x its compute time",
 }
 
 
@@ -142,6 +149,7 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
         "steps": result["step"], "wall_s": result["wall_s"], "bytes_sent": result["bytes_sent"],
         "final": result.get("final"), "worker_distance": result.get("worker_distance"),
         "resumed_from": trainer.resumed_from, "last_loss": result["losses"][-1][1] if result["losses"] else None,
+        "strategy_summary": result.get("strategy_summary"),
     }
     dist.destroy_process_group()
     return summary
@@ -149,6 +157,10 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
 
 def run(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None) -> Dict[str, Any]:
     """Train ``cfg`` on ``nprocs`` locally spawned ranks (or as this torchrun rank); rank 0's summary."""
+    if cfg.strategy == "hogwild":  # worker processes sharing one model in memory, no process group
+        from .hogwild import run_hogwild
+
+        return run_hogwild(cfg, nprocs, threads)
     try:
         return launch_workers(_worker, nprocs, (cfg, threads), prefix=_PREFIX)
     except RuntimeError as exc:  # a plain RuntimeError: main() names the type in its message
@@ -162,6 +174,11 @@ def _print_summary(summary: Dict[str, Any]) -> None:
           f"test loss {final.get('test_loss', float('nan')):.4f}, "
           f"test accuracy {final.get('test_accuracy', float('nan')) * 100:.2f}%, "
           f"{summary['bytes_sent'] / 2 ** 20:.1f} MiB sent by rank 0", flush=True)
+    extra = summary.get("strategy_summary") or {}
+    if extra.get("consensus_distance_mean") is not None:
+        print(f"pycomm-train: consensus distance (RMS over ranks of ||x_i - mean||): mean "
+              f"{extra['consensus_distance_mean']:.3g}, max {extra['consensus_distance_max']:.3g}, "
+              f"last {extra['consensus_distance'][-1][1]:.3g}", flush=True)
 
 
 def _plot_main(argv: Sequence[str]) -> int:
@@ -197,7 +214,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{_PREFIX} --nprocs must be at least 1", file=sys.stderr)
         return 2
     try:
+        check_straggler_rank(cfg.straggler, launched[1] if launched else nprocs)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
         summary = run(cfg, nprocs, launcher.get("threads"))
+    except ConfigError as exc:  # a usage error found at launch (hogwild under torchrun, ...)
+        print(exc, file=sys.stderr)
+        return 2
     except (RuntimeError, ValueError, OSError) as exc:
         message = str(exc)
         if not message.startswith(_PREFIX):

@@ -17,6 +17,9 @@ STRATEGIES = ("sync", "local_sgd", "easgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
+# decentralised / federated / shared-memory strategies: pycomm/train/gossip.py, fedavg.py, hogwild.py
+STRATEGIES = STRATEGIES + ("gossip", "fedavg", "hogwild")
+TOPOLOGIES = ("ring", "exp")
 
 _PREFIX = "pycomm train:"
 
@@ -69,6 +72,13 @@ class TrainConfig:
     resume: Optional[str] = None         # a checkpoint file, a directory, or "auto" (latest in checkpoint_dir)
     # testing the failure path: raise on the last rank at this step (first attempt only)
     fail_at_step: Optional[int] = None
+    # gossip (D-PSGD), fedavg, straggler injection (pycomm/train/gossip.py, fedavg.py, straggler.py)
+    topology: str = "ring"               # gossip: ring or exp (peers at distance 2^k)
+    consensus_every: int = 10            # gossip: consensus distance every K steps (one all-reduce; 0: never)
+    local_epochs: int = 1                # fedavg: local epochs per round
+    participation: float = 1.0           # fedavg: fraction of ranks that train in a round
+    noniid: Optional[float] = None       # fedavg: Dirichlet alpha of a by-label split (None: IID)
+    straggler: Optional[str] = None      # RANK:FACTOR: RANK's steps take FACTOR x its compute time
 
     # -- construction -------------------------------------------------------
     @classmethod
@@ -130,6 +140,28 @@ class TrainConfig:
             raise bad("checkpoint_every needs checkpoint_dir")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise bad("resume: auto needs checkpoint_dir")
+        self._validate_decentralised(bad)
+
+    def _validate_decentralised(self, bad) -> None:
+        from .straggler import parse_straggler
+
+        if self.topology not in TOPOLOGIES:
+            raise bad(f"topology must be one of {', '.join(TOPOLOGIES)} (got {self.topology!r})")
+        if int(self.consensus_every) < 0:
+            raise bad(f"consensus_every must be >= 0 (got {self.consensus_every})")
+        if int(self.local_epochs) < 1:
+            raise bad(f"local_epochs must be at least 1 (got {self.local_epochs})")
+        if not 0.0 < self.participation <= 1.0:
+            raise bad(f"participation must be in (0, 1] (got {self.participation})")
+        if self.noniid is not None and not 0.0 < self.noniid < float("inf"):
+            raise bad(f"noniid (Dirichlet alpha) must be positive (got {self.noniid})")
+        if self.strategy != "fedavg" and (self.noniid is not None or self.participation != 1.0):
+            raise bad(f"noniid and participation apply to strategy fedavg (got strategy {self.strategy!r})")
+        if self.straggler is not None:
+            try:
+                parse_straggler(self.straggler)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def load_yaml(path: str) -> Dict[str, Any]:

@@ -205,6 +205,18 @@ class Strategy:
         """Collective: max over ranks of ||x_rank - consensus|| (None if not meaningful)."""
         return None
 
+    def make_sampler(self, task, seed: int):
+        """This rank's sampler of training indices, or None for the trainer's DistributedSampler."""
+        return None
+
+    def step_metrics(self, step: int) -> Dict[str, Any]:
+        """Collective: extra fields for the step record of step ``step`` (1-based)."""
+        return {}
+
+    def summary(self) -> Dict[str, Any]:
+        """Strategy-specific figures for the run summary (the same on every rank)."""
+        return {}
+
     # -- checkpoint state ------------------------------------------------------
     def rank_state(self) -> Dict[str, Any]:
         """This rank's strategy state (saved per rank)."""
@@ -385,6 +397,17 @@ class EASGDStrategy(Strategy):
 
 def build_strategy(cfg, group=None, control_group=None) -> Strategy:
     """The strategy named by ``cfg.strategy`` (a :class:`~pycomm.train.config.TrainConfig`)."""
+    if cfg.strategy == "gossip":
+        from .gossip import GossipStrategy
+
+        return GossipStrategy.from_config(cfg, group, control_group)
+    if cfg.strategy == "fedavg":
+        from .fedavg import FedAvgStrategy
+
+        return FedAvgStrategy.from_config(cfg, group, control_group)
+    if cfg.strategy == "hogwild":
+        raise ValueError(f"{_PREFIX} hogwild is not a process-group strategy: its workers share one model "
+                         f"in this host's memory; use pycomm.train.hogwild.run_hogwild or pycomm-train -n N")
     if cfg.strategy == "sync":
         return SyncStrategy(group, control_group, cfg.hook)
     if cfg.strategy == "local_sgd":

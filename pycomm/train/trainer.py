@@ -29,6 +29,7 @@ from torch.utils.data import DistributedSampler
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .metrics import CommMeter, MetricsLogger
+from .straggler import Straggler
 from .strategies import Strategy, build_strategy, flat_parameters
 from .tasks import Task, get_task
 
@@ -106,8 +107,11 @@ class Trainer:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                                weight_decay=cfg.weight_decay)
 
-        self.sampler = DistributedSampler(_Indices(self.task.x_train.shape[0]), num_replicas=self.world_size,
-                                          rank=self.rank, shuffle=True, seed=cfg.seed, drop_last=True)
+        self.sampler = self.strategy.make_sampler(self.task, cfg.seed)  # fedavg: the rank's own shard
+        if self.sampler is None:
+            self.sampler = DistributedSampler(_Indices(self.task.x_train.shape[0]), num_replicas=self.world_size,
+                                              rank=self.rank, shuffle=True, seed=cfg.seed, drop_last=True)
+        self.straggler = Straggler(cfg.straggler, self.rank, self.world_size)
         self.micro_per_epoch = len(self.sampler) // cfg.batch_size
         self.steps_per_epoch = self.micro_per_epoch // cfg.accum_steps
         if self.steps_per_epoch < 1:
@@ -190,6 +194,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
+        self.straggler.delay(time.perf_counter() - start)
         self.strategy.after_step(self.step)
         step_s = time.perf_counter() - start
         self.elapsed_s += step_s
@@ -201,7 +206,7 @@ class Trainer:
             "event": "step", "step": self.step, "epoch": self.epoch, "loss": loss_sum, "lr": lr,
             "samples_per_s": samples / step_s, "step_s": step_s, "comm_s": comm["comm_s"],
             "compute_s": max(0.0, step_s - comm["comm_s"]), "bytes_sent": comm["bytes_sent"],
-            "elapsed_s": self.elapsed_s,
+            "elapsed_s": self.elapsed_s, **self.strategy.step_metrics(self.step),
         }
 
     def _maybe_inject_failure(self) -> None:
@@ -269,6 +274,7 @@ class Trainer:
             evals.append(final)
             self.logger.log(final)
             result["worker_distance"] = self.strategy.worker_distance()
+            result["strategy_summary"] = self.strategy.summary()
             result["final"] = final
             result["params"] = flat_parameters(self.strategy.consensus_model())
             result["local_params"] = flat_parameters(self.model)
@@ -277,7 +283,8 @@ class Trainer:
             self.logger.log({"event": "end", "step": self.step, "wall_s": self.elapsed_s,
                              "test_accuracy": final["test_accuracy"], "test_loss": final["test_loss"],
                              "bytes_sent_rank0": bytes_sent, "world_size": self.world_size,
-                             "strategy": cfg.strategy, "hook": cfg.hook, "run_name": cfg.run_name})
+                             "strategy": cfg.strategy, "hook": cfg.hook, "run_name": cfg.run_name,
+                             **result["strategy_summary"]})
             return result
         finally:
             self.logger.close()
