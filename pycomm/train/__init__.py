@@ -14,9 +14,14 @@ from .config import ConfigError, TrainConfig
 from .strategies import (EASGDStrategy, LocalSGDStrategy, Strategy, SyncStrategy, allreduce_hook,
                          register_hook, resolve_hook)
 from .tasks import TASKS, get_task
-from .trainer import Trainer, train
+from .trainer import Trainer, build_trainer, train
+from .async_ps import AsyncPSTrainer
+from .cocoa import CoCoATrainer
 
 __all__ = [
+    "AsyncPSTrainer",
+    "CoCoATrainer",
+    "build_trainer",
     "ConfigError",
     "EASGDStrategy",
     "LocalSGDStrategy",
