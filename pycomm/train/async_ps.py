@@ -353,6 +353,7 @@ class AsyncPSTrainer:
                          "backend": self.backend, "total_steps": self.total_updates, "run_name": cfg.run_name,
                          "servers": self.servers, "workers": self.workers, "worker_steps": self.worker_steps,
                          "train_samples": int(self.task.x_train.shape[0])})
+        dist.barrier(group=self.control)  # every rank is ready: the clocks start together
         start = time.perf_counter()
         summary: Dict[str, Any] = {}
         try:
