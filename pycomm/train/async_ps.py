@@ -150,6 +150,7 @@ class AsyncPSTrainer:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.total_updates))
         torch.manual_seed(cfg.seed * 1000 + 17 + self.rank)  # dropout, per rank
         self.version = 0
+        self._pending: List[tuple] = []  # (work, tensor) of posted sends
         self.elapsed_s = 0.0
         self.resumed_from: Optional[str] = None
         self.meter = CommMeter(self.backend == "pycomm")
@@ -160,7 +161,18 @@ class AsyncPSTrainer:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
-        dist.send(tensor, self._peer(rank), group=self.group, tag=tag)
+        """isend, never waiting here: no rank ever blocks in a send, whether or not the backend
+        buffers messages whose receive is not posted yet (pycomm does, gloo does not). The
+        tensor must not change afterwards (callers pass fresh tensors); finished sends are
+        dropped as more are posted, and ``_drain_sends`` waits for the rest."""
+        self._pending.append((dist.isend(tensor, self._peer(rank), group=self.group, tag=tag), tensor))
+        if len(self._pending) >= 64:
+            self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+
+    def _drain_sends(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
 
     def _recv(self, tensor: torch.Tensor, rank: Optional[int], tag: int) -> int:
         source = dist.recv(tensor, None if rank is None else self._peer(rank), group=self.group, tag=tag)
@@ -178,7 +190,7 @@ class AsyncPSTrainer:
     def _grant(self, worker: int) -> None:
         self._send(torch.tensor([float(self.version)], dtype=torch.float64), self.servers + worker,
                    _TAG_LEASE_HEADER)
-        self._send(self.chunk.detach(), self.servers + worker, _TAG_LEASE)
+        self._send(self.chunk.detach().clone(), self.servers + worker, _TAG_LEASE)
 
     def _recv_gradient(self, worker: Optional[int]) -> "tuple[int, List[float], torch.Tensor]":
         header = torch.zeros(5, dtype=torch.float64)
@@ -336,11 +348,12 @@ class AsyncPSTrainer:
             push = torch.tensor([self.worker, step, lease, loss_sum, step == steps - 1], dtype=torch.float64)
             for server, (lo, hi) in enumerate(self.bounds):
                 self._send(push, server, _TAG_PUSH_HEADER)
-                self._send(grad[lo:hi].contiguous(), server, _TAG_PUSH)
-        # wait for the end of training without a timed receive: poll a posted one
+                self._send(grad[lo:hi].clone(), server, _TAG_PUSH)
+        # wait for the end of training. On pycomm without a timed receive: poll a posted one
+        # (gloo's receives report completion only through wait(), bounded by the group timeout)
         done = torch.zeros(1, dtype=torch.int64)
         request = dist.irecv(done, self._peer(0), group=self.group, tag=_TAG_DONE)
-        while not request.is_completed():
+        while self.backend == "pycomm" and not request.is_completed():
             time.sleep(0.02)
         request.wait()
         self.version = int(done[0])
@@ -363,6 +376,7 @@ class AsyncPSTrainer:
                 self._serve_follower()
             else:
                 self._work()
+            self._drain_sends()
             if self.rank != 0:
                 self.elapsed_s = time.perf_counter() - start
             # the final parameters, from the servers' chunks (control group: not counted as training)
