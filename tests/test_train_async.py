@@ -236,3 +236,40 @@ def _early_finisher(ctx):
 def test_async_ps_early_finisher_outlives_the_timeout():
     results = run_multiprocess(_early_finisher, 3, timeout_s=90, pg_timeout_s=6.0)
     assert results[2]["updates"] == 52 and results[2]["max"] <= 1
+
+
+def test_cli_runs_both(tmp_path):
+    """pycomm-train end to end: the summary lines and the JSON-lines records of both strategies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")])))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    runs = {
+        "ps": ["-n", "3", "--strategy", "async_ps", "--max-staleness", "1", "--steps", "20"],
+        "cocoa": ["-n", "2", "--task", "digits-logreg", "--strategy", "cocoa", "--steps", "8"],
+    }
+    for name, args in runs.items():
+        log = tmp_path / f"{name}.jsonl"
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pycomm.train", *args, "--no-progress", "--log-file", str(log)],
+                                  cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"pycomm-train {' '.join(args)} hung:\n{exc.stdout}\n{exc.stderr}", pytrace=False)
+        assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        steps = [r for r in records if r["event"] == "step"]
+        end = records[-1]
+        assert end["event"] == "end"
+        if name == "ps":
+            assert "staleness (bound 1): mean" in proc.stdout, proc.stdout
+            assert [r["step"] for r in steps] == list(range(1, 41))
+            assert all(0 <= r["staleness"] <= 1 for r in steps) and end["staleness"]["updates"] == 40
+        else:
+            assert "duality gap: 6.931e-01 at round 0" in proc.stdout, proc.stdout
+            assert [r["step"] for r in steps] == list(range(1, 9))
+            assert steps[-1]["duality_gap"] < steps[0]["duality_gap"] and end["duality_gap"] == steps[-1]["duality_gap"]
