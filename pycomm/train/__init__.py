@@ -1,6 +1,7 @@
 """pycomm.train: a small trainer around DistributedDataParallel on the pycomm backend.
 
-Strategies: synchronous data parallel with any DDP comm hook, local SGD, EASGD.
+Strategies: synchronous data parallel with any DDP comm hook, local SGD, EASGD; with loops
+of their own (``build_trainer``), asynchronous SGD with parameter servers and CoCoA+.
 Checkpoint / resume, JSON-lines metrics, a progress bar, plots, and the
 ``pycomm-train`` command (``python -m pycomm.train``). See docs/training.md.
 
