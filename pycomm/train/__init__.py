@@ -1,6 +1,7 @@
 """pycomm.train: a small trainer around DistributedDataParallel on the pycomm backend.
 
-Strategies: synchronous data parallel with any DDP comm hook, local SGD, EASGD.
+Strategies: synchronous data parallel with any DDP comm hook, local SGD, EASGD; with loops
+of their own (``build_trainer``), asynchronous SGD with parameter servers and CoCoA+.
 Checkpoint / resume, JSON-lines metrics, a progress bar, plots, and the
 ``pycomm-train`` command (``python -m pycomm.train``). See docs/training.md.
 
@@ -14,9 +15,14 @@ from .config import ConfigError, TrainConfig
 from .strategies import (EASGDStrategy, LocalSGDStrategy, Strategy, SyncStrategy, allreduce_hook,
                          register_hook, resolve_hook)
 from .tasks import TASKS, get_task
-from .trainer import Trainer, train
+from .trainer import Trainer, build_trainer, train
+from .async_ps import AsyncPSTrainer
+from .cocoa import CoCoATrainer
 
 __all__ = [
+    "AsyncPSTrainer",
+    "CoCoATrainer",
+    "build_trainer",
     "ConfigError",
     "EASGDStrategy",
     "LocalSGDStrategy",

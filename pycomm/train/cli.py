@@ -34,14 +34,19 @@ __all__ = ["main", "build_parser", "parse_config", "run"]
 _PREFIX = "pycomm train:"
 
 _HELP = {
-    "task": "built-in task: digits-mlp, digits-cnn, tinylm",
+    "task": "built-in task: digits-mlp, digits-cnn, digits-logreg, tinylm",
     "dropout": "dropout probability (default: the task's)",
-    "strategy": "sync (DDP + comm hook), local_sgd, easgd, gossip, fedavg, hogwild (one host)",
+    "strategy": "sync (DDP + comm hook), local_sgd, easgd, gossip, fedavg, hogwild (one host), async_ps, cocoa",
     "hook": "comm hook for sync steps: allreduce, fp16, bf16, or package.module:attribute",
     "local_sgd_period": "local SGD: average the models every H steps",
     "local_sgd_warmup": "local SGD: synchronous steps before going local",
     "easgd_period": "EASGD: elastic update every tau steps",
     "easgd_alpha": "EASGD moving rate (default 0.9 / world size)",
+    "servers": "async_ps: parameter-server ranks (the first ranks; the others are workers)",
+    "max_staleness": "async_ps: most versions a gradient may lag behind when applied (0: sequential)",
+    "cocoa_gamma": "cocoa: aggregation parameter gamma in (0, 1], sigma' = gamma x ranks (1: add, 1/K: average)",
+    "cocoa_lambda": "cocoa: L2 regularisation lambda",
+    "cocoa_local_passes": "cocoa: local SDCA passes over the rank's partition per round",
     "backend": "torch.distributed backend (pycomm, gloo, nccl)",
     "algorithm": "pycomm all-reduce algorithm: auto, ring, tree, sharded",
     "timeout_s": "process-group timeout in seconds",
@@ -122,7 +127,7 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
     import torch
     import torch.distributed as dist
 
-    from .trainer import Trainer
+    from .trainer import build_trainer
 
     cfg, threads = payload
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -142,7 +147,7 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
     else:
         dist.init_process_group(cfg.backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timeout)
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     result = trainer.fit()
     summary = {
         "world_size": world_size, "strategy": cfg.strategy, "hook": cfg.hook, "task": cfg.task,
@@ -150,6 +155,7 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
         "final": result.get("final"), "worker_distance": result.get("worker_distance"),
         "resumed_from": trainer.resumed_from, "last_loss": result["losses"][-1][1] if result["losses"] else None,
         "strategy_summary": result.get("strategy_summary"),
+        "staleness": result.get("staleness"), "duality_gap": result.get("duality_gap"),
     }
     dist.destroy_process_group()
     return summary
@@ -179,6 +185,14 @@ def _print_summary(summary: Dict[str, Any]) -> None:
         print(f"pycomm-train: consensus distance (RMS over ranks of ||x_i - mean||): mean "
               f"{extra['consensus_distance_mean']:.3g}, max {extra['consensus_distance_max']:.3g}, "
               f"last {extra['consensus_distance'][-1][1]:.3g}", flush=True)
+    if summary.get("staleness"):  # async_ps
+        stale = summary["staleness"]
+        print(f"staleness (bound {stale['bound']}): mean {stale['mean']:.2f}, max {stale['max']}, "
+              f"histogram {stale['histogram']}", flush=True)
+    if summary.get("duality_gap"):  # cocoa
+        gaps = summary["duality_gap"]
+        print(f"duality gap: {gaps[0]['gap']:.3e} at round 0, {gaps[-1]['gap']:.3e} after round "
+              f"{gaps[-1]['round']} (primal {gaps[-1]['primal']:.6f})", flush=True)
 
 
 def _plot_main(argv: Sequence[str]) -> int:

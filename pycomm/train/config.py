@@ -14,6 +14,7 @@ __all__ = ["TrainConfig", "ConfigError", "load_yaml", "STRATEGIES", "PRECISIONS"
            "OPTIMIZERS"]
 
 STRATEGIES = ("sync", "local_sgd", "easgd")
+STRATEGIES += ("async_ps", "cocoa")  # own trainers: pycomm/train/async_ps.py, cocoa.py
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
@@ -42,6 +43,12 @@ class TrainConfig:
     local_sgd_warmup: int = 0            # synchronous steps before local SGD starts
     easgd_period: int = 4                # tau: elastic update every tau steps
     easgd_alpha: Optional[float] = None  # moving rate; None: 0.9 / world_size (beta = 0.9)
+    # async_ps (pycomm/train/async_ps.py) and cocoa (pycomm/train/cocoa.py)
+    servers: int = 1                     # async_ps: parameter-server ranks (the first ranks)
+    max_staleness: int = 0               # async_ps: bound on a gradient's staleness, in versions
+    cocoa_gamma: float = 1.0             # cocoa: aggregation parameter (sigma' = gamma * ranks)
+    cocoa_lambda: float = 1e-3           # cocoa: L2 regularisation lambda of the objective
+    cocoa_local_passes: float = 1.0      # cocoa: local coordinate steps per round, in passes over the partition
     backend: str = "pycomm"
     algorithm: Optional[str] = None      # pycomm all-reduce algorithm (auto, ring, tree, sharded)
     timeout_s: float = 120.0
@@ -141,6 +148,7 @@ class TrainConfig:
         if self.resume == "auto" and not self.checkpoint_dir:
             raise bad("resume: auto needs checkpoint_dir")
         self._validate_decentralised(bad)
+        self._validate_own_trainers(bad)
 
     def _validate_decentralised(self, bad) -> None:
         from .straggler import parse_straggler
@@ -162,6 +170,33 @@ class TrainConfig:
                 parse_straggler(self.straggler)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+
+    def _validate_own_trainers(self, bad) -> None:
+        """async_ps and cocoa: the knobs, and the trainer features they do not have."""
+        if self.servers < 1:
+            raise bad(f"servers must be at least 1 (got {self.servers})")
+        if self.max_staleness < 0:
+            raise bad(f"max_staleness must be >= 0 (got {self.max_staleness})")
+        if not 0.0 < self.cocoa_gamma <= 1.0:
+            raise bad(f"cocoa_gamma must be in (0, 1] (got {self.cocoa_gamma})")
+        if self.cocoa_lambda <= 0:
+            raise bad(f"cocoa_lambda must be positive (got {self.cocoa_lambda})")
+        if self.cocoa_local_passes <= 0:
+            raise bad(f"cocoa_local_passes must be positive (got {self.cocoa_local_passes})")
+        if self.strategy not in ("async_ps", "cocoa"):
+            return
+        for name, unsupported in (("checkpoint_dir", self.checkpoint_dir), ("resume", self.resume),
+                                  ("eval_every", self.eval_every), ("fail_at_step", self.fail_at_step),
+                                  ("straggler", self.straggler)):
+            if unsupported:
+                raise bad(f"strategy {self.strategy} does not support {name} (it evaluates at the end only "
+                          f"and keeps no checkpoints)")
+        if self.device != "cpu":
+            raise bad(f"strategy {self.strategy} runs on the CPU only (got device {self.device!r})")
+        if self.strategy == "cocoa" and self.task != "digits-logreg":
+            raise bad(f"strategy cocoa solves the convex task digits-logreg (got task {self.task!r})")
+        if self.strategy == "cocoa" and self.epochs is not None:
+            raise bad("strategy cocoa counts communication rounds with steps, not epochs")
 
 
 def load_yaml(path: str) -> Dict[str, Any]:

@@ -414,4 +414,7 @@ def build_strategy(cfg, group=None, control_group=None) -> Strategy:
         return LocalSGDStrategy(group, control_group, cfg.hook, cfg.local_sgd_period, cfg.local_sgd_warmup)
     if cfg.strategy == "easgd":
         return EASGDStrategy(group, control_group, cfg.hook, cfg.easgd_period, cfg.easgd_alpha)
+    if cfg.strategy in ("async_ps", "cocoa"):
+        raise ValueError(f"{_PREFIX} strategy {cfg.strategy} has a trainer of its own: use "
+                         f"pycomm.train.build_trainer(cfg) (pycomm-train does)")
     raise ValueError(f"{_PREFIX} unknown strategy {cfg.strategy!r}")

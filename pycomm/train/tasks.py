@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["Task", "TASKS", "get_task", "generate_text", "TinyTransformerLM"]
+__all__ = ["Task", "BinaryTask", "TASKS", "get_task", "generate_text", "TinyTransformerLM"]
 
 _PREFIX = "pycomm train:"
 _DATA_SEED = 1234  # the train/test split and the generated text never depend on the run's seed
@@ -121,6 +121,41 @@ def _digits_cnn(dropout: float) -> Task:
     return Task("digits-cnn", x_train, y_train, x_test, y_test, make_model)
 
 
+class BinaryTask(Task):
+    """Labels +1 / -1 and one output per sample: the logistic loss log(1 + exp(-y f(x)))."""
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.softplus(-target.reshape(-1) * output.reshape(-1).float()).mean()
+
+    @torch.no_grad()
+    def score(self, output: torch.Tensor, target: torch.Tensor) -> "tuple[float, float, int]":
+        margin = target.reshape(-1) * output.reshape(-1).float()
+        return F.softplus(-margin).sum().item(), (margin > 0).sum().item(), target.numel()
+
+
+def _digits_logreg(dropout: float) -> Task:
+    """Binary digits: 0-4 (label -1) against 5-9 (label +1); the features get a constant 1
+    appended, so a bias-free linear model has a (regularised) intercept. The convex task of
+    ``--strategy cocoa``; any other strategy trains it as well."""
+    x_train, y_train, x_test, y_test = _digits()
+    ones = torch.ones
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, ones(x.shape[0], 1)], dim=1)
+
+    def labels(y: torch.Tensor) -> torch.Tensor:
+        return torch.where(y >= 5, 1.0, -1.0)
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Linear(65, 1, bias=False)
+        nn.init.zeros_(model.weight)
+        return model
+
+    return BinaryTask("digits-logreg", features(x_train), labels(y_train), features(x_test), labels(y_test),
+                      make_model)
+
+
 # ---------------------------------------------------------------------------
 # tiny language model
 # ---------------------------------------------------------------------------
@@ -191,6 +226,7 @@ def _tinylm(dropout: float, block: int = 32) -> Task:
 _FACTORIES: Dict[str, "tuple[Callable[[float], Task], float]"] = {
     "digits-mlp": (_digits_mlp, 0.0),
     "digits-cnn": (_digits_cnn, 0.0),
+    "digits-logreg": (_digits_logreg, 0.0),
     "tinylm": (_tinylm, 0.1),
 }
 TASKS = tuple(_FACTORIES)

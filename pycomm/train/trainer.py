@@ -33,7 +33,7 @@ from .straggler import Straggler
 from .strategies import Strategy, build_strategy, flat_parameters
 from .tasks import Task, get_task
 
-__all__ = ["Trainer", "train"]
+__all__ = ["Trainer", "train", "build_trainer"]
 
 _PREFIX = "pycomm train:"
 
@@ -380,4 +380,20 @@ class Trainer:
 
 def train(cfg: TrainConfig, process_group=None, control_group=None, max_steps: Optional[int] = None):
     """``Trainer(cfg, ...).fit(max_steps)`` inside an initialised process group."""
+    if cfg.strategy in ("async_ps", "cocoa"):
+        return build_trainer(cfg, process_group, control_group).fit()
     return Trainer(cfg, process_group, control_group).fit(max_steps)
+
+
+def build_trainer(cfg: TrainConfig, process_group=None, control_group=None):
+    """The trainer for ``cfg.strategy``: :class:`Trainer` (DDP), or the strategies with a loop
+    of their own (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`)."""
+    if cfg.strategy == "async_ps":
+        from .async_ps import AsyncPSTrainer
+
+        return AsyncPSTrainer(cfg, process_group, control_group)
+    if cfg.strategy == "cocoa":
+        from .cocoa import CoCoATrainer
+
+        return CoCoATrainer(cfg, process_group, control_group)
+    return Trainer(cfg, process_group, control_group)
