@@ -38,16 +38,21 @@ const char* callStateName(CallState state) {
   return "?";
 }
 
-FlightRecorder::FlightRecorder(size_t capacity) : ring_(std::max<size_t>(capacity, 1)) {}
-
-int64_t FlightRecorder::nowUs() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
+int64_t FlightRecorder::steadyUs(TimePoint t) {
+  // +1: a reading is never 0, which marks "not yet".
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count() + 1;
 }
 
-void FlightRecorder::queued(uint64_t seq, const char* op, const char* dtype, uint64_t bytes) {
-  const int64_t now = nowUs();
+FlightRecorder::FlightRecorder(size_t capacity)
+    : wallOffsetUs_(std::chrono::duration_cast<std::chrono::microseconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count() -
+                    steadyUs(std::chrono::steady_clock::now())),
+      ring_(std::max<size_t>(capacity, 1)) {}
+
+void FlightRecorder::queued(uint64_t seq, const char* op, const char* dtype, uint64_t bytes,
+                            TimePoint when) {
+  const int64_t now = steadyUs(when);
   std::lock_guard<std::mutex> lock(mutex_);
   CallRecord& r = ring_[seq % ring_.size()];
   r.seq = seq;
@@ -62,8 +67,8 @@ void FlightRecorder::queued(uint64_t seq, const char* op, const char* dtype, uin
   next_ = std::max(next_, seq + 1);
 }
 
-void FlightRecorder::started(uint64_t seq) {
-  const int64_t now = nowUs();
+void FlightRecorder::started(uint64_t seq, TimePoint when) {
+  const int64_t now = steadyUs(when);
   std::lock_guard<std::mutex> lock(mutex_);
   CallRecord& r = ring_[seq % ring_.size()];
   if (r.seq != seq) return;
@@ -71,8 +76,9 @@ void FlightRecorder::started(uint64_t seq) {
   r.startedUs = now;
 }
 
-void FlightRecorder::finished(uint64_t seq, const std::string& algorithm, bool failed) {
-  const int64_t now = nowUs();
+void FlightRecorder::finished(uint64_t seq, const std::string& algorithm, bool failed,
+                              TimePoint when) {
+  const int64_t now = steadyUs(when);
   std::lock_guard<std::mutex> lock(mutex_);
   if (!failed) lastCompleted_ = std::max(lastCompleted_, static_cast<int64_t>(seq));
   CallRecord& r = ring_[seq % ring_.size()];
@@ -89,7 +95,11 @@ std::vector<CallRecord> FlightRecorder::snapshot() const {
   calls.reserve(n);
   for (uint64_t seq = next_ - n; seq < next_; ++seq) {
     const CallRecord& r = ring_[seq % ring_.size()];
-    if (r.seq == seq && r.queuedUs != 0) calls.push_back(r);
+    if (r.seq != seq || r.queuedUs == 0) continue;
+    calls.push_back(r);
+    CallRecord& c = calls.back();
+    for (int64_t* t : {&c.queuedUs, &c.startedUs, &c.endedUs})
+      if (*t != 0) *t += wallOffsetUs_;
   }
   return calls;
 }

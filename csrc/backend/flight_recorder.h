@@ -4,9 +4,12 @@
 // the store to say which rank is behind and at which call (process_group.cc).
 //
 // Torch-free. The hot path costs one uncontended mutex and a fixed-size copy per
-// state change: entries are preallocated, nothing is allocated per call.
+// state change: entries are preallocated, nothing is allocated per call, and the
+// times are the caller's steady-clock readings (the backend reads the clock once
+// per step anyway), turned into wall-clock time only when read.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -26,7 +29,8 @@ struct CallRecord {
   char algorithm[24] = {};   // what ran ("ring", "shm", ...); "" until it ran
   uint64_t bytes = 0;        // bytes of the tensors the op was called on (outputs)
   CallState state = CallState::kQueued;
-  // Wall-clock microseconds since the epoch; 0 while the step has not happened.
+  // Wall-clock microseconds since the epoch (in snapshots; steady-clock inside the
+  // ring); 0 while the step has not happened.
   int64_t queuedUs = 0;
   int64_t startedUs = 0;
   int64_t endedUs = 0;
@@ -40,9 +44,10 @@ class FlightRecorder {
   size_t capacity() const { return ring_.size(); }
   // State changes of call `seq`; started/finished are ignored when the call's entry
   // was already overwritten (more than capacity() calls queued behind it).
-  void queued(uint64_t seq, const char* op, const char* dtype, uint64_t bytes);
-  void started(uint64_t seq);
-  void finished(uint64_t seq, const std::string& algorithm, bool failed);
+  using TimePoint = std::chrono::steady_clock::time_point;
+  void queued(uint64_t seq, const char* op, const char* dtype, uint64_t bytes, TimePoint now);
+  void started(uint64_t seq, TimePoint now);
+  void finished(uint64_t seq, const std::string& algorithm, bool failed, TimePoint now);
   // The recorded calls, oldest first.
   std::vector<CallRecord> snapshot() const;
   // Call `seq` when it is still in the ring (false otherwise).
@@ -51,7 +56,9 @@ class FlightRecorder {
   int64_t lastCompleted() const;
 
  private:
-  static int64_t nowUs();
+  static int64_t steadyUs(TimePoint t);
+  // system_clock - steady_clock at construction, in microseconds (snapshot's conversion).
+  const int64_t wallOffsetUs_;
   mutable std::mutex mutex_;
   std::vector<CallRecord> ring_;
   uint64_t next_ = 0;  // one past the highest seq queued

@@ -196,12 +196,15 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
   at::NoGradGuard noGrad;  // scratch copies made here never join an autograd graph
   std::exception_ptr error;
   const auto started = Clock::now();
-  recorder_.started(task.seq);
+  Clock::time_point ended;
+  recorder_.started(task.seq, started);
   const std::string earlier = group_->failure();
   if (!earlier.empty()) {
     error = makeBackendError("pycomm " + task.op +
                              ": the process group is unusable after an earlier failure (" +
                              earlier + "); destroy it and create a new one");
+    ended = Clock::now();
+    recorder_.finished(task.seq, "", true, ended);
   } else {
     try {
       comm_->begin(task.op, task.timeout);
@@ -209,8 +212,9 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
       task.body(*comm_);
     } catch (const Error& e) {
       std::string message = e.what();
+      ended = Clock::now();
       group_->fail(message, e.detail());  // aborts first: peers learn of it at once
-      recorder_.finished(task.seq, comm_->algorithmName(), true);
+      recorder_.finished(task.seq, comm_->algorithmName(), true, ended);
       // Every failed rank publishes how far it got; one that timed out also waits
       // briefly for the others' and says which rank is behind, at which call.
       const std::string verdict = exchangeProgress(task.seq, e.kind() == ErrorKind::kTimeout);
@@ -219,16 +223,19 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
       error = makeBackendError(message);
     } catch (const std::exception& e) {
       const std::string message = e.what();
+      ended = Clock::now();
       group_->fail(message);
-      recorder_.finished(task.seq, comm_->algorithmName(), true);
+      recorder_.finished(task.seq, comm_->algorithmName(), true, ended);
       exchangeProgress(task.seq, false);
       debugLog("failure: " + message);
       error = makeBackendError(message);
     }
-    if (error == nullptr) recorder_.finished(task.seq, comm_->algorithmName(), false);
+    if (error == nullptr) {
+      ended = Clock::now();
+      recorder_.finished(task.seq, comm_->algorithmName(), false, ended);
+    }
   }
-  if (!earlier.empty()) recorder_.finished(task.seq, "", true);
-  Stats::instance().recordOp(task.op, std::chrono::duration<double>(Clock::now() - started).count(),
+  Stats::instance().recordOp(task.op, std::chrono::duration<double>(ended - started).count(),
                              task.bytes, error != nullptr, getSize());
   if (inline_) {
     task.work->markDone(error);
@@ -274,7 +281,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
     task.seq = sequence_++;
     recorder_.queued(task.seq, op,
                      signature.dtype >= 0 ? dataTypeName(static_cast<DataType>(signature.dtype)) : "",
-                     bytes);
+                     bytes, Clock::now());
     if (!asyncOp && queue_.empty() && !busy_) {
       // A blocking call with nothing ahead of it runs here: same order, two
       // thread hand-offs fewer.
