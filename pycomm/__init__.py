@@ -17,11 +17,14 @@ from ._backend import (
     set_algorithm,
 )
 from .config import Config, load_config
+from .observability import CommSummary, comm_summary, flight_recorder
 
 
 def stats() -> dict:
     """This process's pycomm counters since start (or the last reset_stats()):
     ``bytes_sent`` / ``bytes_received`` (payload bytes through every transport),
+    ``buckets`` (the same per op, group size and power-of-two size bucket: what
+    comm_summary() tabulates),
     ``bytes_buffered`` (received bytes that arrived before their receive was posted,
     so were copied once more),
     and ``ops``: per operation name, ``count``, ``failures``, ``seconds`` (time on the
@@ -51,10 +54,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_NAME",
+    "CommSummary",
     "Config",
     "built_with_cuda",
+    "comm_summary",
     "compression",
     "cuda_available",
+    "flight_recorder",
     "get_algorithm",
     "hooks",
     "last_algorithm",

@@ -84,6 +84,9 @@ def hooks_worker(ctx, variants):
     out = {}
     for backend in ("pycomm", "gloo"):
         if backend == "gloo":
+            import pycomm
+
+            out["algorithm"] = pycomm.last_algorithm()  # what pycomm's last all-reduce ran
             dist.destroy_process_group()
             dist.init_process_group("gloo", init_method=ctx.init_method("gloo_hooks"), rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=ctx.timeout())
@@ -94,16 +97,22 @@ def hooks_worker(ctx, variants):
     return out
 
 
-@pytest.mark.parametrize("variants", [[h[0] for h in HOOKS], ["post_localSGD"]], ids=["powerSGD", "post_localSGD"])
-def test_torch_hooks_match_gloo(variants):
+@pytest.mark.parametrize(
+    "variants,transport",
+    [([h[0] for h in HOOKS], "shm"), (["post_localSGD"], "shm"), ([h[0] for h in HOOKS] + ["post_localSGD"], "tcp")],
+    ids=["powerSGD-shm", "post_localSGD-shm", "all-tcp"])
+def test_torch_hooks_match_gloo(variants, transport):
+    # "shm": the ranks share the host, collectives go through shared memory;
+    # "tcp": the same hooks over the TCP algorithms (every variant in one run, to keep it short).
     world = 2
     rets = spawn_run(hooks_worker, world, args=(variants,), backend="pycomm", make_ref=False, timeout_s=240,
-                     pg_timeout_s=30).check().returns
+                     pg_timeout_s=30, env={"PYCOMM_TRANSPORT": transport}).check().returns
     n = world
     # (r+1) summed, then three times: doubled and summed over n ranks.
     expected = torch.full((5,), n * (n + 1) / 2 * (2 * n) ** 3)
     problems = []
     for r in range(world):
+        assert (rets[r]["algorithm"] == "shm") == (transport == "shm"), rets[r]["algorithm"]
         for backend in ("pycomm", "gloo"):
             if not torch.equal(rets[r][(backend, "chain")], expected):
                 problems.append(f"{backend} rank {r}: nested chain gave {rets[r][(backend, 'chain')]}")

@@ -44,6 +44,8 @@ class Comm {
   // same op, tag, timeout and deadline.
   void beginWithin(const Comm& outer, const std::string& algorithm);
   const std::string& opName() const { return op_; }
+  // The algorithm the current collective runs ("" before it chose one).
+  const std::string& algorithmName() const { return algorithm_; }
   // "pycomm <op> (<algorithm>)": the one place runtime errors get their prefix.
   std::string prefix() const;
   // Throws an Error of `kind`: prefix() + ": " + the arguments, which are also

@@ -75,6 +75,28 @@ PYBIND11_MODULE(_C, m) {
       .def("failure", &ProcessGroupPycomm::failure)
       .def("bytes_sent", &ProcessGroupPycomm::bytesSent)
       .def("bytes_received", &ProcessGroupPycomm::bytesReceived)
+      .def("flight_recorder",
+           [](const ProcessGroupPycomm& pg) {
+             py::list calls;
+             auto time = [](int64_t us) -> py::object {
+               return us == 0 ? py::none() : py::object(py::float_(us / 1e6));
+             };
+             for (const auto& r : pg.flightRecord()) {
+               py::dict call;
+               call["seq"] = r.seq;
+               call["op"] = std::string(r.op);
+               call["dtype"] = std::string(r.dtype);
+               call["bytes"] = r.bytes;
+               call["algorithm"] = std::string(r.algorithm);
+               call["state"] = std::string(pycomm::callStateName(r.state));
+               call["time_queued"] = time(r.queuedUs);
+               call["time_started"] = time(r.startedUs);
+               call["time_ended"] = time(r.endedUs);
+               calls.append(call);
+             }
+             return calls;
+           },
+           "the group's last collectives, oldest first (pycomm.flight_recorder())")
       // ---- compressed collectives (process_group_compressed.cc)
       .def(
           "allreduce_quantized",
@@ -122,7 +144,20 @@ PYBIND11_MODULE(_C, m) {
       row["bytes"] = entry.bytes;
       ops[py::str(name)] = row;
     }
+    py::list buckets;
+    for (const auto& [key, entry] : stats.buckets()) {
+      py::dict row;
+      row["op"] = std::get<0>(key);
+      row["group_size"] = std::get<1>(key);
+      row["bucket"] = std::get<2>(key);
+      row["count"] = entry.count;
+      row["failures"] = entry.failures;
+      row["seconds"] = entry.seconds;
+      row["bytes"] = entry.bytes;
+      buckets.append(row);
+    }
     py::dict result;
+    result["buckets"] = buckets;
     result["bytes_sent"] = stats.sent();
     result["bytes_received"] = stats.received();
     result["bytes_buffered"] = stats.buffered();

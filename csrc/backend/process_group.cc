@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <thread>
 
 #include "algorithms/alltoall_splits.h"
 #include "backend/store_adapter.h"
@@ -86,7 +88,7 @@ void ProcessGroupPycomm::checkSameCall(Comm& comm, const CallSignature& mine) {
 
 ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size, GroupConfig config)
-    : c10d::Backend(rank, size), config_(std::move(config)) {
+    : c10d::Backend(rank, size), config_(std::move(config)), store_(store) {
   setDebugEnabled(config_.debug);
   GroupTransport bootstrapped;
   try {
@@ -195,32 +197,47 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
   at::NoGradGuard noGrad;  // scratch copies made here never join an autograd graph
   std::exception_ptr error;
   const auto started = Clock::now();
+  Clock::time_point ended;
+  recorder_.started(task.seq, started);
   const std::string earlier = group_->failure();
   if (!earlier.empty()) {
     error = makeBackendError("pycomm " + task.op +
                              ": the process group is unusable after an earlier failure (" +
                              earlier + "); destroy it and create a new one");
+    ended = Clock::now();
+    recorder_.finished(task.seq, "", true, ended);
   } else {
     try {
       comm_->begin(task.op, task.timeout);
       if (config_.checkCalls && comm_->size() > 1) checkSameCall(*comm_, task.signature);
       task.body(*comm_);
     } catch (const Error& e) {
-      const std::string message = e.what();
-      group_->fail(message, e.detail());
+      std::string message = e.what();
+      ended = Clock::now();
+      group_->fail(message, e.detail());  // aborts first: peers learn of it at once
+      recorder_.finished(task.seq, comm_->algorithmName(), true, ended);
+      // Every failed rank publishes how far it got; one that timed out also waits
+      // briefly for the others' and says which rank is behind, at which call.
+      const std::string verdict = exchangeProgress(task.seq, e.kind() == ErrorKind::kTimeout);
+      if (!verdict.empty()) message += "; " + verdict;
       debugLog("failure: " + message);
       error = makeBackendError(message);
     } catch (const std::exception& e) {
       const std::string message = e.what();
+      ended = Clock::now();
       group_->fail(message);
+      recorder_.finished(task.seq, comm_->algorithmName(), true, ended);
+      exchangeProgress(task.seq, false);
       debugLog("failure: " + message);
       error = makeBackendError(message);
     }
+    if (error == nullptr) {
+      ended = Clock::now();
+      recorder_.finished(task.seq, comm_->algorithmName(), false, ended);
+    }
   }
-  uint64_t tensorBytes = 0;
-  for (const auto& t : task.work->result()) tensorBytes += heldBytes(t);
-  Stats::instance().recordOp(task.op, std::chrono::duration<double>(Clock::now() - started).count(),
-                             tensorBytes, error != nullptr);
+  Stats::instance().recordOp(task.op, std::chrono::duration<double>(ended - started).count(),
+                             task.bytes, error != nullptr, getSize());
   if (inline_) {
     task.work->markDone(error);
   } else {
@@ -235,17 +252,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
                                                            Tensors outputs, Body body,
                                                            std::chrono::milliseconds timeout,
                                                            bool asyncOp, CallSignature signature) {
-  auto work = c10::make_intrusive<PycommWork>(getRank(), type, op, std::move(outputs));
+  uint64_t bytes = 0;
+  for (const auto& t : outputs) bytes += heldBytes(t);
+  const bool sparse = !outputs.empty() && outputs[0].defined() && outputs[0].is_sparse();
+  // The profiling title goes to our own event (recordProfile), not c10d::Work's.
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs));
+  if (PycommWork::profilerActive()) {
+    const char* dtype =
+        signature.dtype >= 0 ? dataTypeName(static_cast<DataType>(signature.dtype)) : "";
+    work->recordProfile(
+        (std::string("pycomm:") + op).c_str(),
+        {{"op", c10::IValue(std::string(op))},
+         {"bytes", c10::IValue(static_cast<int64_t>(bytes))},
+         {"dtype", c10::IValue(std::string(dtype))},
+         {"algorithm", c10::IValue(sparse ? std::string("coo") : expectedAlgorithm(op, bytes))},
+         {"seq", c10::IValue(static_cast<int64_t>(sequence_.load()))},
+         {"group_size", c10::IValue(static_cast<int64_t>(getSize()))},
+         {"async_op", c10::IValue(asyncOp)}});
+  }
 #ifdef PYCOMM_WITH_CUDA
   // A call staged from CUDA tensors (cuda_staging.cc): the body first waits for
   // the copies to host that the caller enqueued on its stream.
   body = stagedBody(std::move(body));
 #endif
-  Task task{op, std::move(body), work, effectiveTimeout(timeout), signature};
+  Task task{op, std::move(body), work, effectiveTimeout(timeout), signature, 0, bytes};
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
     if (stopping_) usageError(where(op) + "the process group was shut down");
-    ++sequence_;
+    task.seq = sequence_++;
+    recorder_.queued(task.seq, op,
+                     signature.dtype >= 0 ? dataTypeName(static_cast<DataType>(signature.dtype)) : "",
+                     bytes, Clock::now());
     if (!asyncOp && queue_.empty() && !busy_) {
       // A blocking call with nothing ahead of it runs here: same order, two
       // thread hand-offs fewer.
@@ -282,6 +319,75 @@ std::string ProcessGroupPycomm::algorithm() const { return settingName(algorithm
 std::string ProcessGroupPycomm::selectAlgorithm(size_t bytes) const {
   const AllreduceAlgorithm* setting = algorithm_.load();
   return setting != nullptr ? setting->name : chooseAllreduceAlgorithm(bytes, topologyOf(*comm_)).name;
+}
+
+std::string ProcessGroupPycomm::expectedAlgorithm(const std::string& op, uint64_t bytes) const {
+  // Mirrors the dispatch: allreduce_registry.cc for all-reduce, dispatch.cc for the rest.
+  if (op == "allreduce" || op == "allreduce_coalesced") return selectAlgorithm(bytes);
+  if (op == "allreduce_quantized") return "quantized";
+  if (op == "allreduce_sparse") return "sparse";
+  if (getSize() > 1 && topologyOf(*comm_).oneHost) return "shm";
+  if (op == "broadcast" || op == "reduce") return "tree";
+  if (op.rfind("allgather", 0) == 0 || op.rfind("reduce_scatter", 0) == 0) return "ring";
+  if (op == "gather" || op == "scatter") return "direct";
+  if (op == "alltoall") return "pairwise";
+  if (op == "barrier") return "dissemination";
+  return "";
+}
+
+std::string ProcessGroupPycomm::exchangeProgress(uint64_t seq, bool compare) {
+  const int n = getSize(), me = getRank();
+  if (!store_ || n < 2) return "";
+  ProgressReport mine;
+  mine.reported = true;
+  mine.seq = static_cast<int64_t>(seq);
+  mine.lastCompleted = recorder_.lastCompleted();
+  CallRecord record;
+  mine.call = recorder_.find(seq, &record) ? describeRecord(record) : "?";
+  // The store may be gone with a failed rank (torch's TCPStore lives in rank 0), so
+  // the exchange runs on a thread of its own and is waited for a bounded time.
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    std::vector<ProgressReport> reports;
+  };
+  auto shared = std::make_shared<Shared>();
+  const auto grace = std::min<std::chrono::milliseconds>(config_.timeout, std::chrono::milliseconds(1000));
+  const std::string prefix = config_.storePrefix + "progress/";
+  std::thread([shared, store = store_, prefix, n, me, mine, compare, grace] {
+    std::vector<ProgressReport> reports(n);
+    reports[me] = mine;
+    try {
+      const std::string value = encodeProgress(mine);
+      store->set(prefix + std::to_string(me), std::vector<uint8_t>(value.begin(), value.end()));
+      const auto deadline = Clock::now() + grace;
+      int missing = n - 1;
+      while (compare && missing > 0 && Clock::now() < deadline) {
+        for (int r = 0; r < n; ++r) {
+          if (r == me || reports[r].reported) continue;
+          const std::string key = prefix + std::to_string(r);
+          if (!store->check({key})) continue;
+          const std::vector<uint8_t> bytes = store->get(key);
+          if (decodeProgress(std::string(bytes.begin(), bytes.end()), &reports[r])) --missing;
+        }
+        if (missing > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (...) {
+      // A store that fails leaves the reports we have.
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->reports = std::move(reports);
+    shared->done = true;
+    shared->cv.notify_all();
+  }).detach();
+  if (!compare) return "";
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  if (!shared->cv.wait_for(lock, grace + std::chrono::milliseconds(500), [&] { return shared->done; }))
+    return "flight recorder: the store did not answer in time to compare the ranks' progress";
+  std::vector<std::string> names;
+  for (int r = 0; r < n; ++r) names.push_back(group_->transport().rankName(r));
+  return compareProgress(me, shared->reports, names);
 }
 
 std::string ProcessGroupPycomm::lastAlgorithm() const {

@@ -22,6 +22,7 @@
 
 #include "algorithms/collectives.h"
 #include "backend/completion_pool.h"
+#include "backend/flight_recorder.h"
 #include "backend/work.h"
 #include "common/group_config.h"
 #include "transport/transport.h"
@@ -117,6 +118,8 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::string failure() { return group_->failure(); }
   uint64_t bytesSent() const { return group_->transportPtr()->bytesSent(); }
   uint64_t bytesReceived() const { return group_->transportPtr()->bytesReceived(); }
+  // The last collectives of this group (pycomm.flight_recorder()), oldest first.
+  std::vector<CallRecord> flightRecord() const { return recorder_.snapshot(); }
 
   // ---- compressed collectives (process_group_compressed.cc; float32 CPU tensors).
   // Queued on the worker in submission order like every collective; usage errors
@@ -166,11 +169,21 @@ class ProcessGroupPycomm : public c10d::Backend {
     c10::intrusive_ptr<PycommWork> work;
     std::chrono::milliseconds timeout;
     CallSignature signature;
+    uint64_t seq = 0;    // the group's sequence number of this call
+    uint64_t bytes = 0;  // bytes of its output tensors
   };
   // Runs one task to completion: on the worker thread, whose Future completions
   // (and their callbacks) go to completions_, or inline on a blocking caller,
   // which completes the Future itself (no callback can be attached yet).
   void runTask(Task& task, bool inline_);
+  // The algorithm `op` on `bytes` is expected to run (for the profiler, which
+  // needs it when the call is made; the flight recorder keeps what did run).
+  std::string expectedAlgorithm(const std::string& op, uint64_t bytes) const;
+  // After a runtime failure of call `seq`: publishes this rank's progress in the
+  // store and, when `compare`, waits briefly for the peers' and returns the
+  // verdict (flight_recorder.h compareProgress; "" without one). Bounded: a store
+  // that does not answer costs at most the grace period.
+  std::string exchangeProgress(uint64_t seq, bool compare);
 
   GroupConfig config_;
   // The lowest rank of each host, ascending (empty with PYCOMM_TRANSPORT=tcp).
@@ -182,6 +195,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::atomic<const AllreduceAlgorithm*> lastAlgorithm_{nullptr};
 
   std::atomic<uint64_t> sequence_{0};  // collectives submitted (enqueue)
+  FlightRecorder recorder_;  // the last collectives (flight_recorder.h)
+  // torch's store (for the progress exchange after a failure); null over a given transport.
+  c10::intrusive_ptr<c10d::Store> store_;
 
   std::mutex queueMutex_;
   std::condition_variable queueCv_;

@@ -1,5 +1,7 @@
 #include "backend/work.h"
 
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <cstdio>
@@ -44,6 +46,22 @@ PycommWork::PycommWork(int rank, c10d::OpType opType, const char* profilingTitle
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()))) {}
+
+bool PycommWork::profilerActive() {
+  return at::hasCallbacks() && at::getStepCallbacksUnlessEmpty(at::RecordScope::USER_SCOPE).has_value();
+}
+
+void PycommWork::recordProfile(const char* title,
+                               const std::unordered_map<std::string, c10::IValue>& args) {
+  // As c10d::Work does for its profiling title, plus keyword inputs: an async event
+  // begun on the caller's thread and ended by finish(), on whichever thread that is.
+  auto record = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!record->isActive()) return;
+  record->_setAsync();
+  record->before(title, &args);
+  std::function<void()> end = [record] { record->end(); };
+  recordFunctionEndCallback_ = at::wrapPropagateTLSState(end);
+}
 
 void PycommWork::markDone(std::exception_ptr error, int sourceRank) {
   sourceRank_ = sourceRank;

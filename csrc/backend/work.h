@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "transport/shm_arena.h"
@@ -48,6 +49,12 @@ class PycommWork : public c10d::Work {
   PycommWork(int rank, c10d::OpType opType, const char* profilingTitle,
              std::vector<at::Tensor> outputs);
 
+  // When torch's profiler is recording: an event `title` ("pycomm:allreduce")
+  // from now until the work completes, carrying `args` (op, bytes, dtype,
+  // algorithm, ...) as keyword inputs, which torch.profiler writes into the
+  // trace's event args. profilerActive(): whether anything records at all (cheap).
+  static bool profilerActive();
+  void recordProfile(const char* title, const std::unordered_map<std::string, c10::IValue>& args);
   // Completes the work (and its future): successfully when `error` is null.
   void markDone(std::exception_ptr error, int sourceRank = -1);
   // The same in two steps: the work (wait() returns), then its future (callbacks
