@@ -13,7 +13,7 @@ demo: install
 	$(PYTHON) -m pycomm.demo
 
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow" tests
