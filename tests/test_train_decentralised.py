@@ -21,14 +21,7 @@ from mp_util import run_multiprocess
 from pycomm.train import ConfigError, TrainConfig, Trainer, cli
 from pycomm.train import fedavg, gossip, hogwild, straggler
 
-RUN_TIMEOUT_S = 150
-
-BASE = dict(task="digits-mlp", steps=40, batch_size=32, lr=0.05, momentum=0.9, schedule="constant",
-            progress=False, seed=3)
-
-
-def _cfg(**changes) -> TrainConfig:
-    return TrainConfig.from_dict({**BASE, **changes})
+from test_train import BASE, RUN_TIMEOUT_S, _cfg  # the same small digits runs
 
 
 def _fit(ctx, **changes):

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from .config import TrainConfig
+from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
 from .strategies import _assign_flat, flat_parameters
 from .tasks import get_task
@@ -91,17 +92,9 @@ class AsyncPSTrainer:
 
     def __init__(self, cfg: TrainConfig, process_group=None, control_group=None,
                  worker_steps: Optional[Sequence[int]] = None, worker_delay_s: Optional[Sequence[float]] = None):
-        if not dist.is_initialized():
-            raise RuntimeError(f"{_PREFIX} call dist.init_process_group first (or use pycomm-train)")
-        cfg.validate()
         if cfg.strategy != "async_ps":
             raise ValueError(f"{_PREFIX} AsyncPSTrainer runs strategy async_ps (got {cfg.strategy!r})")
-        self.cfg = cfg
-        self.group = process_group
-        self.control = control_group if control_group is not None else dist.new_group(backend="gloo")
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        self.backend = dist.get_backend(process_group)
+        join_groups(self, cfg, process_group, control_group)
         self.servers = cfg.servers
         self.workers = self.world_size - self.servers
         if self.workers < 1:

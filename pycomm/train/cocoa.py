@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
 from .tasks import get_task
 
@@ -115,17 +116,9 @@ class CoCoATrainer:
     """
 
     def __init__(self, cfg: TrainConfig, process_group=None, control_group=None):
-        if not dist.is_initialized():
-            raise RuntimeError(f"{_PREFIX} call dist.init_process_group first (or use pycomm-train)")
-        cfg.validate()
         if cfg.strategy != "cocoa":
             raise ValueError(f"{_PREFIX} CoCoATrainer runs strategy cocoa (got {cfg.strategy!r})")
-        self.cfg = cfg
-        self.group = process_group
-        self.control = control_group if control_group is not None else dist.new_group(backend="gloo")
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        self.backend = dist.get_backend(process_group)
+        join_groups(self, cfg, process_group, control_group)
         self.task = get_task(cfg.task)
         x = self.task.x_train.double().numpy()
         y = self.task.y_train.double().numpy()

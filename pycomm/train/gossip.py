@@ -26,14 +26,13 @@ training's byte counters nothing. It is written to the step records
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .strategies import Strategy, _assign_flat, flat_parameters
+from .strategies import Strategy, _assign_flat, flat_parameters, mean_model
 
 __all__ = ["GossipStrategy", "neighbours", "consensus_distance"]
 
@@ -136,11 +135,7 @@ class GossipStrategy(Strategy):
 
     # -- evaluation: the mean of the replicas ---------------------------------------
     def consensus_model(self) -> nn.Module:
-        flat = flat_parameters(self.module).cpu()
-        dist.all_reduce(flat, group=self.control_group)
-        model = copy.deepcopy(self.module)
-        _assign_flat(model, flat.div_(self.world_size))
-        return model
+        return mean_model(self.module, self.control_group, self.world_size)
 
     def worker_distance(self) -> Optional[float]:
         consensus = flat_parameters(self.consensus_model()).cpu()

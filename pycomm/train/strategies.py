@@ -128,6 +128,18 @@ def flat_parameters(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
 
 
+def mean_model(module: nn.Module, control_group, world_size: int) -> nn.Module:
+    """A copy of ``module`` holding the mean of every rank's parameters (collective:
+    one all-reduce over ``control_group``, so the run's byte counters do not see it)."""
+    import copy
+
+    flat = flat_parameters(module).cpu()
+    dist.all_reduce(flat, group=control_group)
+    model = copy.deepcopy(module)
+    _assign_flat(model, flat.div_(world_size))
+    return model
+
+
 def _assign_flat(module: nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
@@ -280,13 +292,7 @@ class LocalSGDStrategy(Strategy):
             self._last_average = step
 
     def consensus_model(self) -> nn.Module:
-        import copy
-
-        flat = flat_parameters(self.module).cpu()
-        dist.all_reduce(flat, group=self.control_group)
-        model = copy.deepcopy(self.module)
-        _assign_flat(model, flat.div_(self.world_size))
-        return model
+        return mean_model(self.module, self.control_group, self.world_size)
 
     def worker_distance(self) -> float:
         consensus = flat_parameters(self.consensus_model()).cpu()

@@ -64,6 +64,21 @@ def _lr_lambda(cfg: TrainConfig, total_steps: int):
     return factor
 
 
+def join_groups(trainer, cfg: TrainConfig, process_group=None, control_group=None) -> None:
+    """What every trainer starts with: the validated config, the process group, the
+    gloo control group (created here, collectively, when None), rank, world size and
+    backend name, as attributes of ``trainer``."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{_PREFIX} call dist.init_process_group first (or use pycomm-train)")
+    cfg.validate()
+    trainer.cfg = cfg
+    trainer.group = process_group
+    trainer.control = control_group if control_group is not None else dist.new_group(backend="gloo")
+    trainer.rank = dist.get_rank(process_group)
+    trainer.world_size = dist.get_world_size(process_group)
+    trainer.backend = dist.get_backend(process_group)
+
+
 class Trainer:
     """Builds task, model, strategy, optimizer, schedule and sampler; ``fit()`` trains.
 
@@ -73,15 +88,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, process_group=None, control_group=None):
-        if not dist.is_initialized():
-            raise RuntimeError(f"{_PREFIX} call dist.init_process_group first (or use pycomm-train)")
-        cfg.validate()
-        self.cfg = cfg
-        self.group = process_group
-        self.control = control_group if control_group is not None else dist.new_group(backend="gloo")
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        self.backend = dist.get_backend(process_group)
+        join_groups(self, cfg, process_group, control_group)
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cfg.device == "cuda" \
             else torch.device("cpu")
         if cfg.device == "cuda":
