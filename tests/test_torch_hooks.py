@@ -80,6 +80,16 @@ def _nested_chain():
     return fut.wait()[0]
 
 
+# The gloo reference groups, kept until the process exits. torch's PowerSGD callbacks
+# capture the process group; gloo runs them on its own worker thread, and when such a
+# callback drops the last reference after destroy_process_group(), ~ProcessGroupGloo
+# runs on that thread and joins it: "terminate ... Resource deadlock avoided" (seen
+# in CI; core dump: std::thread::join in ~ProcessGroupGloo from ProcessGroupGloo::
+# runLoop -> Future::markCompleted -> the then-callback's function freed). pycomm runs
+# callbacks on its completion pool, whose stop never joins the calling thread.
+_KEEP_ALIVE = []
+
+
 def hooks_worker(ctx, variants):
     out = {}
     for backend in ("pycomm", "gloo"):
@@ -90,6 +100,7 @@ def hooks_worker(ctx, variants):
             dist.destroy_process_group()
             dist.init_process_group("gloo", init_method=ctx.init_method("gloo_hooks"), rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=ctx.timeout())
+            _KEEP_ALIVE.append(dist.group.WORLD)
         ctx.progress(f"{backend}: nested then chain")
         out[(backend, "chain")] = _nested_chain()
         for variant in variants:
