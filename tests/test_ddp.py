@@ -64,16 +64,22 @@ def train(ctx, use_hook):
     return {"initial": initial, "after_wrap": after_wrap, "final": _snapshot(model)}
 
 
-def ddp_worker(ctx):
+def with_and_without_hook_then_on_gloo(ctx, train, store_name):
+    """{(backend, use_hook): train(ctx, use_hook)} on the run's backend, then on gloo
+    (re-initialised in the same processes, store file `store_name`)."""
     out = {}
     for use_hook in (False, True):
         out[(ctx.backend, use_hook)] = train(ctx, use_hook)
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=ctx.init_method("gloo_ddp"), rank=ctx.rank,
+    dist.init_process_group("gloo", init_method=ctx.init_method(store_name), rank=ctx.rank,
                             world_size=ctx.world_size, timeout=ctx.timeout())
     for use_hook in (False, True):
         out[("gloo", use_hook)] = train(ctx, use_hook)
     return out
+
+
+def ddp_worker(ctx):
+    return with_and_without_hook_then_on_gloo(ctx, train, "gloo_ddp")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -94,15 +94,9 @@ def train(ctx, use_hook):
 
 
 def ddp_sparse_worker(ctx):
-    out = {}
-    for use_hook in (False, True):
-        out[(ctx.backend, use_hook)] = train(ctx, use_hook)
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=ctx.init_method("gloo_ddp_sparse"), rank=ctx.rank,
-                            world_size=ctx.world_size, timeout=ctx.timeout())
-    for use_hook in (False, True):
-        out[("gloo", use_hook)] = train(ctx, use_hook)
-    return out
+    from test_ddp import with_and_without_hook_then_on_gloo
+
+    return with_and_without_hook_then_on_gloo(ctx, train, "gloo_ddp_sparse")
 
 
 def reference(world):

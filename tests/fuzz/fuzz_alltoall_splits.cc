@@ -179,8 +179,7 @@ int main(int argc, char** argv) {
   pycomm_fuzz::Xorshift next(0x243f6a8885a308d3ull);
   uint8_t buffer[160];
   for (long run = 0; run < runs; ++run) {
-    const size_t size = next() % sizeof(buffer);
-    for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(next());
+    const size_t size = pycomm_fuzz::randomBytes(next, buffer, sizeof(buffer));
     LLVMFuzzerTestOneInput(buffer, size);
   }
   std::printf("Done %ld runs (standalone random-mutation driver, plus the regression cases)\n", runs);

@@ -84,8 +84,7 @@ int main(int argc, char** argv) {
   pycomm_fuzz::Xorshift next(0x9e3779b97f4a7c15ull);
   std::vector<uint8_t> buffer(2048);
   for (long run = 0; run < runs; ++run) {
-    size_t size = next() % buffer.size();
-    for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(next());
+    size_t size = pycomm_fuzz::randomBytes(next, buffer.data(), buffer.size());
     if (next() & 1) {
       std::vector<int64_t> rows;
       const uint64_t rowCount = 1 + next() % 100000;
@@ -97,7 +96,7 @@ int main(int argc, char** argv) {
       size = std::min(buffer.size(), sizeof(h) + payload.size());
       std::memcpy(buffer.data(), &h, sizeof(h));
       if (size > sizeof(h)) std::memcpy(buffer.data() + sizeof(h), payload.data(), size - sizeof(h));
-      for (int flips = static_cast<int>(next() % 4); flips > 0; --flips) buffer[next() % size] ^= 1 << (next() % 8);
+      pycomm_fuzz::flipBits(next, buffer.data(), size);
     }
     LLVMFuzzerTestOneInput(buffer.data(), size);
   }

@@ -80,8 +80,7 @@ int main(int argc, char** argv) {
   pycomm_fuzz::Xorshift next(0x2545f4914f6cdd1dull);
   std::vector<uint8_t> buffer(1024);
   for (long run = 0; run < runs; ++run) {
-    size_t size = next() % buffer.size();
-    for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(next());
+    size_t size = pycomm_fuzz::randomBytes(next, buffer.data(), buffer.size());
     if (size > 64 && (next() & 1)) {
       // A real message: encode pairs, then flip a few bytes of it.
       const DataType type = kTypes[next() % 3];
@@ -99,7 +98,7 @@ int main(int argc, char** argv) {
       buffer[2] = static_cast<uint8_t>(chunk >> 8);
       std::memcpy(buffer.data() + 3, message.bytes.data(), bytes);
       size = 3 + bytes;
-      for (int flips = static_cast<int>(next() % 4); flips > 0; --flips) buffer[3 + next() % bytes] ^= 1 << (next() % 8);
+      pycomm_fuzz::flipBits(next, buffer.data() + 3, bytes);
     }
     LLVMFuzzerTestOneInput(buffer.data(), size);
   }

@@ -122,8 +122,7 @@ int main(int argc, char** argv) {
   uint8_t buffer[768];
   long validHandshakes = 0;
   for (long run = 0; run < runs; ++run) {
-    const size_t size = next() % sizeof(buffer);
-    for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(next());
+    const size_t size = pycomm_fuzz::randomBytes(next, buffer, sizeof(buffer));
     if (size >= kHandshakeBytes + sizeof(WireHeader) && (next() % 4 != 0)) {
       Hello hello{kHelloMagic, kWireVersion, static_cast<int32_t>(next() % 10), kSize, 0, 0, {}, {}};
       for (auto& b : hello.nonce) b = static_cast<uint8_t>(next());

@@ -2,6 +2,7 @@
 // without libFuzzer, where tests/test_fuzz.py builds each target with its own main).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 
@@ -21,6 +22,18 @@ class Xorshift {
  private:
   uint64_t state_;
 };
+
+// Fills `buffer` (capacity bytes) with a random number of random bytes; returns how many.
+inline size_t randomBytes(Xorshift& next, uint8_t* buffer, size_t capacity) {
+  const size_t size = next() % capacity;
+  for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(next());
+  return size;
+}
+
+// Flips up to three random bits among the `size` bytes at `data`.
+inline void flipBits(Xorshift& next, uint8_t* data, size_t size) {
+  for (int flips = static_cast<int>(next() % 4); flips > 0; --flips) data[next() % size] ^= 1 << (next() % 8);
+}
 
 // The number of runs: the first argument, else `fallback`.
 inline long runsFromArgs(int argc, char** argv, long fallback = 100000) {
