@@ -35,12 +35,15 @@ def _ps(ctx, group=None, control=None, **changes):
                              worker_steps=changes.get("worker_steps"), worker_delay_s=changes.get("worker_delay_s"))
     result = trainer.fit()
     return {"params": result["params"], "losses": [loss for _, loss in result["losses"]],
-            "acc": result["final"]["test_accuracy"], "staleness": result["staleness"], "step": result["step"]}
+            "acc": result["final"]["test_accuracy"], "staleness": result["staleness"], "step": result["step"],
+            "evals": result["evals"], "slept_s": trainer.straggler.slept_s}
 
 
 def _cocoa(ctx, **changes):
-    result = CoCoATrainer(TrainConfig.from_dict({**COCOA, **changes}), control_group=ctx.ref).fit()
-    return {"gap": result["duality_gap"], "w": result["weights"], "acc": result["final"]["test_accuracy"]}
+    trainer = CoCoATrainer(TrainConfig.from_dict({**COCOA, **changes}), control_group=ctx.ref)
+    result = trainer.fit()
+    return {"gap": result["duality_gap"], "w": result["weights"], "acc": result["final"]["test_accuracy"],
+            "evals": result["evals"], "slept_s": trainer.straggler.slept_s}
 
 
 def _worker(ctx):
@@ -50,7 +53,7 @@ def _worker(ctx):
     pair = dist.new_group([0, 1])
     pair_control = dist.new_group([0, 1], backend="gloo")
     if ctx.rank < 2:
-        out["one_one"] = _ps(ctx, pair, pair_control, servers=1, steps=30)
+        out["one_one"] = _ps(ctx, pair, pair_control, servers=1, steps=30, eval_every=10)
     ctx.progress("async_ps 2 servers + 1 worker, S=0")
     out["two_one"] = _ps(ctx, servers=2, steps=30, optimizer="sgd", weight_decay=1e-3)
     ctx.progress("async_ps 2 servers + 1 worker, S=0, over gloo")
@@ -58,7 +61,8 @@ def _worker(ctx):
     ctx.progress("async_ps 1 server + 2 workers, S=0")
     out["s0"] = _ps(ctx, servers=1, steps=40)
     ctx.progress("async_ps 1 server + 2 workers, S=1, unequal steps, one slow worker")
-    out["s1"] = _ps(ctx, servers=1, max_staleness=1, worker_steps=[70, 25], worker_delay_s=[0.0, 0.01])
+    out["s1"] = _ps(ctx, servers=1, max_staleness=1, worker_steps=[70, 25], worker_delay_s=[0.0, 0.01],
+                    straggler="2:3")
     ctx.progress("async_ps 1 server + 2 workers, S=3, AdamW")
     out["s3"] = _ps(ctx, servers=1, max_staleness=3, steps=40, optimizer="adamw", lr=0.003,
                     worker_delay_s=[0.005, 0.0])
@@ -67,10 +71,14 @@ def _worker(ctx):
         AsyncPSTrainer(TrainConfig.from_dict({**PS, "servers": 3}), control_group=ctx.ref)
     except ValueError as exc:
         out["too_many_servers"] = str(exc)
+    try:
+        AsyncPSTrainer(TrainConfig.from_dict({**PS, "straggler": "0:2"}), control_group=ctx.ref)
+    except ValueError as exc:
+        out["straggler_server"] = str(exc)
     ctx.progress("cocoa gamma=1")
     out["cocoa_add"] = _cocoa(ctx)
-    ctx.progress("cocoa gamma=1/3")
-    out["cocoa_avg"] = _cocoa(ctx, cocoa_gamma=1 / 3)
+    ctx.progress("cocoa gamma=1/3, evaluated every 5 rounds, rank 1 a straggler")
+    out["cocoa_avg"] = _cocoa(ctx, cocoa_gamma=1 / 3, eval_every=5, straggler="1:2")
     return out
 
 
@@ -120,6 +128,26 @@ def test_async_ps_one_worker_is_plain_sgd(results):
     assert torch.equal(results[2]["two_one_gloo"]["params"], params)
 
 
+def test_async_ps_evaluates_the_parameters_of_each_version(results):
+    """--eval-every 10: the models the server held at versions 10 and 20 are evaluated after
+    training, and score what plain SGD's models after 10 and 20 steps score."""
+    task = tasks.get_task(PS["task"])
+    evals = results[0]["one_one"]["evals"]
+    assert [e["step"] for e in evals] == [10, 20, 30]
+    for record in evals:
+        model = task.make_model(PS["seed"])
+        torch.nn.utils.vector_to_parameters(_reference_sgd(record["step"]), model.parameters())
+        model.eval()
+        with torch.no_grad():
+            loss, correct, count = task.score(model(task.x_test), task.y_test)
+        assert record["test_accuracy"] == pytest.approx(correct / count, abs=1.5 / count), record
+        assert record["test_loss"] == pytest.approx(loss / count, rel=1e-4), record
+    clocks = [e["elapsed_s"] for e in evals]
+    assert 0 < clocks[0] < clocks[1] < clocks[2], clocks
+    assert results[1]["one_one"]["evals"][:-1] == evals[:-1]  # the same records on every rank (the final
+    # one carries each rank's own clock)
+
+
 def _went_down(losses, factor=0.5):
     return sum(losses[-8:]) / 8 < factor * sum(losses[:8]) / 8
 
@@ -136,11 +164,15 @@ def test_async_ps_converges_within_the_staleness_bound(results):
     # S=0 is sequential: no gradient is ever stale; with S>0 and a slow worker some are
     assert r0["s0"]["staleness"]["histogram"] == {0: 80}
     assert r0["s1"]["staleness"]["max"] == 1 and r0["s1"]["staleness"]["mean"] > 0
+    # --straggler 2:3 slows worker rank 2 alone
+    assert results[2]["s1"]["slept_s"] > 0 and results[0]["s1"]["slept_s"] == results[1]["s1"]["slept_s"] == 0
 
 
 def test_async_ps_errors(results):
     assert results[0]["too_many_servers"].startswith(
         "pycomm train: strategy async_ps with 3 server(s) needs at least 4 ranks (got 3)")
+    assert results[0]["straggler_server"].startswith(
+        "pycomm train: strategy async_ps: the straggler must be a worker, one of ranks 1..2")
 
 
 def test_lease_feasible():
@@ -188,6 +220,12 @@ def test_cocoa_duality_gap_and_solution(results):
         assert final["gap"] < 1e-2 * gaps[0]["gap"], (run, final)
         assert abs(final["primal"] - reference) < 2e-3, (run, final, reference)
     assert results[0]["cocoa_add"]["acc"] > 0.8
+    # --eval-every 5 (rounds 5..20, then the final model at 25); --straggler 1:2 slows rank 1 alone
+    evals = results[0]["cocoa_avg"]["evals"]
+    assert [e["step"] for e in evals] == [5, 10, 15, 20, 25]
+    assert evals[-1]["test_accuracy"] == results[0]["cocoa_avg"]["acc"]
+    assert [e["elapsed_s"] for e in evals] == sorted(e["elapsed_s"] for e in evals)
+    assert results[1]["cocoa_avg"]["slept_s"] > 0 and results[0]["cocoa_avg"]["slept_s"] == 0
 
 
 def test_solve_coordinate():
@@ -208,7 +246,7 @@ def test_solve_coordinate():
     ({"strategy": "async_ps", "servers": 0}, "servers must be at least 1"),
     ({"strategy": "async_ps", "max_staleness": -1}, "max_staleness must be >= 0"),
     ({"strategy": "async_ps", "checkpoint_dir": "ckpt"}, "async_ps does not support checkpoint_dir"),
-    ({"strategy": "async_ps", "eval_every": 5}, "async_ps does not support eval_every"),
+    ({"strategy": "async_ps", "fail_at_step": 5}, "async_ps does not support fail_at_step"),
     ({"strategy": "cocoa"}, "cocoa solves the convex task digits-logreg"),
     ({"strategy": "cocoa", "task": "digits-logreg", "cocoa_gamma": 0}, r"cocoa_gamma must be in \(0, 1\]"),
     ({"strategy": "cocoa", "task": "digits-logreg", "cocoa_gamma": 1.5}, "cocoa_gamma"),

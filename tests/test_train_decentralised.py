@@ -161,8 +161,9 @@ def test_gossip_four_ranks():
 # ---------------------------------------------------------------------------
 
 def test_hogwild_one_worker_is_sgd():
-    """The worker loop, run here on one worker: plain SGD on the shared model, same data order."""
-    cfg = _cfg(strategy="hogwild", steps=30)
+    """The worker loop, run here on one worker: plain SGD on the shared model, same data order;
+    with --eval-every 10 it keeps the shared model of steps 10 and 20 for evaluation."""
+    cfg = _cfg(strategy="hogwild", steps=30, eval_every=10)
     task = hogwild.get_task(cfg.task)
     shared = task.make_model(cfg.seed)
     shared.share_memory()
@@ -178,6 +179,7 @@ def test_hogwild_one_worker_is_sgd():
     reference = task.make_model(cfg.seed)
     optimizer = torch.optim.SGD(reference.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     steps_per_epoch = task.x_train.shape[0] // cfg.batch_size
+    kept = {}
     for step in range(cfg.steps):
         epoch, position = divmod(step, steps_per_epoch)
         order = hogwild.hogwild_order(task.x_train.shape[0], 0, 1, cfg.seed, epoch)
@@ -185,9 +187,14 @@ def test_hogwild_one_worker_is_sgd():
         optimizer.zero_grad()
         task.loss(reference(task.x_train[index]), task.y_train[index]).backward()
         optimizer.step()
+        kept[step + 1] = [p.detach().clone() for p in reference.parameters()]
     for mine, theirs in zip(shared.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
     assert len(payload["records"]) == 30
+    assert [step for step, _, _ in payload["snapshots"]] == [10, 20]
+    for step, elapsed, params in payload["snapshots"]:
+        assert elapsed == payload["records"][step - 1]["elapsed_s"]
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(params, kept[step]))
 
 
 def test_hogwild_two_workers():

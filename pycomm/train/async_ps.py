@@ -59,6 +59,7 @@ from torch.utils.data import DistributedSampler
 from .config import TrainConfig
 from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
+from .straggler import Straggler, parse_straggler
 from .strategies import _assign_flat, flat_parameters
 from .tasks import get_task
 
@@ -129,6 +130,16 @@ class AsyncPSTrainer:
                              f"{self.workers} workers (got {list(worker_steps)})")
         self.worker_delay_s = [float(d) for d in (worker_delay_s or [0.0] * self.workers)]
         self.total_updates = sum(self.worker_steps)
+        if cfg.straggler is not None and parse_straggler(cfg.straggler)[0] < self.servers:
+            raise ValueError(f"{_PREFIX} strategy async_ps: the straggler must be a worker, one of ranks "
+                             f"{self.servers}..{self.world_size - 1} (got {cfg.straggler!r}; ranks "
+                             f"0..{self.servers - 1} are servers)")
+        self.straggler = Straggler(cfg.straggler, self.rank, self.world_size)
+        # --eval-every: the servers keep a copy of their chunk every E versions (server 0 also the
+        # training clock then); the copies are evaluated after training, off the clock
+        self.eval_versions = list(range(cfg.eval_every, self.total_updates, cfg.eval_every)) \
+            if cfg.eval_every else []
+        self._snapshots: Dict[int, "tuple[torch.Tensor, float]"] = {}
 
         if self.is_server:
             lo, hi = self.bounds[self.rank]
@@ -178,6 +189,8 @@ class AsyncPSTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1
+        if self.cfg.eval_every and self.version % self.cfg.eval_every == 0:
+            self._snapshots[self.version] = (self.chunk.detach().clone(), self.elapsed_s)
         return lr
 
     def _grant(self, worker: int) -> None:
@@ -249,6 +262,8 @@ class AsyncPSTrainer:
                     now = time.perf_counter()
                     step_s, last = now - last, now
                     self.elapsed_s += step_s
+                    if self.version in self._snapshots:  # the clock at this version, not before it
+                        self._snapshots[self.version] = (self._snapshots[self.version][0], self.elapsed_s)
                     comm = self.meter.delta()
                     bytes_sent += comm["bytes_sent"]
                     losses.append((self.version, header[3]))
@@ -315,6 +330,7 @@ class AsyncPSTrainer:
         batches = self._batches()
         self.model.train()
         for step in range(steps):
+            started = time.perf_counter()
             versions = set()
             for server, (lo, hi) in enumerate(self.bounds):
                 self._recv(header, server, _TAG_LEASE_HEADER)
@@ -338,6 +354,7 @@ class AsyncPSTrainer:
                               for p in self.model.parameters()])
             if delay:
                 time.sleep(delay)
+            self.straggler.delay(time.perf_counter() - started)
             push = torch.tensor([self.worker, step, lease, loss_sum, step == steps - 1], dtype=torch.float64)
             for server, (lo, hi) in enumerate(self.bounds):
                 self._send(push, server, _TAG_PUSH_HEADER)
@@ -382,23 +399,53 @@ class AsyncPSTrainer:
             box = [summary if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
             summary = box[0]
+            evals = self._evaluate_snapshots()
             final = self.evaluate()
             self.logger.log(final)
+            evals.append(final)
             staleness = summary["staleness"]
             self.logger.log({"event": "end", "step": self.total_updates, "wall_s": self.elapsed_s,
                              "test_accuracy": final["test_accuracy"], "test_loss": final["test_loss"],
                              "bytes_sent_rank0": summary["bytes_sent"], "world_size": self.world_size,
                              "strategy": cfg.strategy, "hook": None, "run_name": cfg.run_name,
                              "staleness": staleness})
-            return {"losses": summary["losses"], "evals": [final], "step": self.total_updates,
+            return {"losses": summary["losses"], "evals": evals, "step": self.total_updates,
                     "bytes_sent": summary["bytes_sent"], "wall_s": self.elapsed_s, "final": final,
                     "worker_distance": None, "params": full, "local_params": full, "staleness": staleness}
         finally:
             self.logger.close()
 
+    def _evaluate_snapshots(self) -> List[Dict[str, Any]]:
+        """Collective, after training: evaluate the parameters the servers held at every
+        ``eval_versions`` version, each logged with the training clock of that version."""
+        final_params, final_elapsed = [p.detach().clone() for p in self.model.parameters()], self.elapsed_s
+        evals = []
+        for version in self.eval_versions:
+            full = torch.zeros(self.numel)
+            clock = torch.zeros(1, dtype=torch.float64)
+            if self.is_server:
+                lo, hi = self.bounds[self.rank]
+                chunk, elapsed = self._snapshots[version]
+                full[lo:hi] = chunk
+                if self.rank == 0:
+                    clock[0] = elapsed
+            dist.all_reduce(full, group=self.control)
+            dist.all_reduce(clock, group=self.control)
+            _assign_flat(self.model, full)
+            self.elapsed_s = float(clock[0])
+            record = self.evaluate()
+            record["step"] = version
+            self.logger.log(record)
+            evals.append(record)
+        with torch.no_grad():
+            for p, saved in zip(self.model.parameters(), final_params):
+                p.copy_(saved)
+        self.elapsed_s = final_elapsed
+        return evals
+
     @torch.no_grad()
     def evaluate(self) -> Dict[str, Any]:
-        """Collective: test loss and accuracy of the final model, test set sharded over all ranks."""
+        """Collective: test loss and accuracy of the model, test set sharded over all ranks."""
         self.model.eval()
         x = self.task.x_test[self.rank::self.world_size]
         y = self.task.y_test[self.rank::self.world_size]

@@ -186,11 +186,9 @@ class TrainConfig:
         if self.strategy not in ("async_ps", "cocoa"):
             return
         for name, unsupported in (("checkpoint_dir", self.checkpoint_dir), ("resume", self.resume),
-                                  ("eval_every", self.eval_every), ("fail_at_step", self.fail_at_step),
-                                  ("straggler", self.straggler)):
+                                  ("fail_at_step", self.fail_at_step)):
             if unsupported:
-                raise bad(f"strategy {self.strategy} does not support {name} (it evaluates at the end only "
-                          f"and keeps no checkpoints)")
+                raise bad(f"strategy {self.strategy} does not support {name} (it keeps no checkpoints)")
         if self.device != "cpu":
             raise bad(f"strategy {self.strategy} runs on the CPU only (got device {self.device!r})")
         if self.strategy == "cocoa" and self.task != "digits-logreg":

@@ -46,7 +46,7 @@ def _check(cfg: TrainConfig, nprocs: int) -> None:
     unsupported = [(name, value) for name, value in (
         ("device", cfg.device != "cpu" and cfg.device), ("precision", cfg.precision != "fp32" and cfg.precision),
         ("accum_steps", cfg.accum_steps != 1 and cfg.accum_steps),
-        ("checkpoint_dir", cfg.checkpoint_dir), ("resume", cfg.resume), ("eval_every", cfg.eval_every),
+        ("checkpoint_dir", cfg.checkpoint_dir), ("resume", cfg.resume),
         ("clip_grad_norm", cfg.clip_grad_norm)) if value]
     if unsupported:
         raise ConfigError(f"{_PREFIX} hogwild does not support {', '.join(n for n, _ in unsupported)} "
@@ -90,6 +90,7 @@ def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, co
         straggler = Straggler(cfg.straggler, worker, workers)
         model.train()
         records: List[Dict[str, Any]] = []
+        snapshots: List[Any] = []  # --eval-every, worker 0: (step, its clock, the shared parameters then)
         order: List[int] = []
         elapsed = 0.0
         if start_barrier is not None:  # start together: process start-up takes seconds and varies
@@ -112,7 +113,10 @@ def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, co
             records.append({"event": "step", "step": step + 1, "epoch": epoch, "loss": loss.item(), "lr": lr,
                             "samples_per_s": cfg.batch_size / step_s, "step_s": step_s, "comm_s": 0.0,
                             "compute_s": step_s, "bytes_sent": 0, "elapsed_s": elapsed, "worker": worker})
-        conn.send(("ok", worker, {"records": records, "wall_s": elapsed, "slept_s": straggler.slept_s}))
+            if worker == 0 and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
+                snapshots.append((step + 1, elapsed, [p.detach().clone() for p in model.parameters()]))
+        conn.send(("ok", worker, {"records": records, "wall_s": elapsed, "slept_s": straggler.slept_s,
+                                  "snapshots": snapshots}))
     except BaseException:
         conn.send(("error", worker, traceback.format_exc()))
     finally:
@@ -183,15 +187,24 @@ def run_hogwild(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None
     # training wall-clock, as for the other strategies: the slowest worker's steps (not the
     # seconds it takes to spawn processes and import torch)
     wall_s = max(r["wall_s"] for r in results.values())
+    evals = []
+    if results[0]["snapshots"]:  # evaluated now, off the clock
+        evaluated = task.make_model(cfg.seed)
+        for step, elapsed, params in results[0]["snapshots"]:
+            with torch.no_grad():
+                for p, saved in zip(evaluated.parameters(), params):
+                    p.copy_(saved)
+            evals.append({**_evaluate(task, evaluated), "step": step, "elapsed_s": elapsed})
     final = _evaluate(task, model)
     records = results[0]["records"]
     final["step"] = len(records)
+    final["elapsed_s"] = wall_s
     logger = MetricsLogger(cfg.log_file, True, False, len(records))
     try:
         logger.log({"event": "start", "config": cfg.to_dict(), "world_size": nprocs, "backend": None,
                     "total_steps": len(records), "run_name": cfg.run_name,
                     "train_samples": int(task.x_train.shape[0])})
-        for record in records:
+        for record in sorted(records + evals, key=lambda r: (r["step"], r["event"] == "eval")):
             logger.log(record)
         logger.log(final)
         logger.log({"event": "end", "step": len(records), "wall_s": wall_s, "test_accuracy": final["test_accuracy"],
@@ -202,7 +215,8 @@ def run_hogwild(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None
     params = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
     return {
         "world_size": nprocs, "strategy": "hogwild", "hook": None, "task": cfg.task, "steps": len(records),
-        "wall_s": wall_s, "bytes_sent": 0, "final": final, "worker_distance": None, "resumed_from": None,
+        "wall_s": wall_s, "bytes_sent": 0, "final": final, "evals": evals + [final], "worker_distance": None,
+        "resumed_from": None,
         "last_loss": records[-1]["loss"] if records else None,
         "strategy_summary": {"workers": nprocs, "updates": sum(len(r["records"]) for r in results.values()),
                              "slept_s": [results[w]["slept_s"] for w in sorted(results)]},
