@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
+import threading
 
 import pytest
 import torch
@@ -169,11 +170,15 @@ def test_hogwild_one_worker_is_sgd():
     shared.share_memory()
     reader, writer = multiprocessing.Pipe(duplex=False)
     threads = torch.get_num_threads()
+    received = []  # read while the worker writes: its report (with model copies) outgrows the pipe
+    thread = threading.Thread(target=lambda: received.append(reader.recv()), daemon=True)
+    thread.start()
     try:
         hogwild._worker(0, 1, cfg, shared, threads, writer)
     finally:
         torch.set_num_threads(threads)
-    kind, _, payload = reader.recv()
+    thread.join(timeout=60)
+    kind, _, payload = received[0]
     assert kind == "ok", payload
 
     reference = task.make_model(cfg.seed)
@@ -194,12 +199,16 @@ def test_hogwild_one_worker_is_sgd():
     assert [step for step, _, _ in payload["snapshots"]] == [10, 20]
     for step, elapsed, params in payload["snapshots"]:
         assert elapsed == payload["records"][step - 1]["elapsed_s"]
-        assert all(torch.equal(mine, theirs) for mine, theirs in zip(params, kept[step]))
+        assert all(torch.equal(torch.from_numpy(mine), theirs) for mine, theirs in zip(params, kept[step]))
 
 
 def test_hogwild_two_workers():
-    summary = hogwild.run_hogwild(_cfg(strategy="hogwild", steps=60), nprocs=2, timeout_s=RUN_TIMEOUT_S)
+    summary = hogwild.run_hogwild(_cfg(strategy="hogwild", steps=60, eval_every=20), nprocs=2,
+                                  timeout_s=RUN_TIMEOUT_S)
     assert summary["strategy_summary"]["updates"] == 120 and summary["steps"] == 60
+    # worker 0's copies of the shared model at its steps 20 and 40 came back from its process
+    assert [e["step"] for e in summary["evals"]] == [20, 40, 60]
+    assert summary["evals"][0]["test_accuracy"] > 0.3 and summary["evals"][-1] == summary["final"]
     assert summary["final"]["test_accuracy"] > 0.85, summary["final"]
     # both workers trained the one shared model, starting together from the untrained one
     for worker in (0, 1):

@@ -114,7 +114,9 @@ def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, co
                             "samples_per_s": cfg.batch_size / step_s, "step_s": step_s, "comm_s": 0.0,
                             "compute_s": step_s, "bytes_sent": 0, "elapsed_s": elapsed, "worker": worker})
             if worker == 0 and cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total:
-                snapshots.append((step + 1, elapsed, [p.detach().clone() for p in model.parameters()]))
+                # numpy copies: a tensor would travel through the pipe as a shared-memory handle
+                # that dies with this process before the launcher reads it
+                snapshots.append((step + 1, elapsed, [p.detach().numpy().copy() for p in model.parameters()]))
         conn.send(("ok", worker, {"records": records, "wall_s": elapsed, "slept_s": straggler.slept_s,
                                   "snapshots": snapshots}))
     except BaseException:
@@ -193,7 +195,7 @@ def run_hogwild(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None
         for step, elapsed, params in results[0]["snapshots"]:
             with torch.no_grad():
                 for p, saved in zip(evaluated.parameters(), params):
-                    p.copy_(saved)
+                    p.copy_(torch.from_numpy(saved))
             evals.append({**_evaluate(task, evaluated), "step": step, "elapsed_s": elapsed})
     final = _evaluate(task, model)
     records = results[0]["records"]
