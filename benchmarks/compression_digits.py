@@ -14,6 +14,10 @@ under every configuration:
 * ``8-bit EF`` / ``4-bit EF`` / ``1-bit EF``: QuantizeState(bits=8|4|1) (defaults: block 256,
   stochastic rounding for 8/4 bits, error feedback).
 
+The worker also knows ``powersgd rR`` (pycomm.hooks.powersgd_hook) and ``torch powerSGD rR``
+(torch's powerSGD_hook), with `` noEF`` / `` nowarm`` suffixes: benchmarks/powersgd_digits.py
+runs them (``--configs`` of the worker); they are not in the default CONFIGS.
+
 Optimizer: plain SGD (no momentum) for every run alike -- top-k with momentum needs DGC's
 momentum correction, which the hooks do not implement (docs/compression.md).
 
