@@ -25,12 +25,11 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mp_util import spawn_run
-from test_hooks import _Bucket, _batch, _run_buckets, _steps, _student, _wrap
+from test_hooks import _run_buckets, _steps, _student, _wrap
 
 
 # ---------------------------------------------------------------------------
