@@ -17,7 +17,8 @@ order fail the run) checks:
 * checkpoints: state_dict (with the Q matrices and the residuals) through torch.save /
   torch.load(weights_only=True) into a fresh model/DDP/state: the resumed losses equal
   the uninterrupted run's exactly;
-* DDP with several buckets trains digits to within a few points of dense, replicas identical.
+* DDP with several buckets trains digits to within a few points of dense, replicas identical,
+  and the same hook over gloo (the harness's reference group) ends with the same parameters.
 """
 from __future__ import annotations
 
@@ -293,16 +294,17 @@ def _digits_checks(ctx):
 
     task = get_task("digits-mlp")
     result = {}
-    for name in ("dense", "powersgd"):
+    for name in ("dense", "powersgd", "powersgd_gloo"):
         model = task.make_model(0)
-        ddp = DDP(model, bucket_cap_mb=0.02)
+        group = ctx.ref if name == "powersgd_gloo" else None  # the same ranks on gloo
+        ddp = DDP(model, bucket_cap_mb=0.02, process_group=group)
         buckets = set()
-        if name == "powersgd":
+        if name != "dense":
             def counting(state, bucket):  # no return annotation: this module has postponed ones
                 buckets.add(bucket.index())
                 return H.powersgd_hook(state, bucket)
 
-            ddp.register_comm_hook(H.PowerSGDState(rank=2), counting)
+            ddp.register_comm_hook(H.PowerSGDState(group, rank=2), counting)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         per_rank = 32
         for epoch in range(3):
@@ -332,7 +334,7 @@ def _worker(ctx):
 
 def test_powersgd_hook_pycomm():
     world = 2
-    rets = spawn_run(_worker, world, backend="pycomm", make_ref=False, timeout_s=150, pg_timeout_s=60,
+    rets = spawn_run(_worker, world, backend="pycomm", make_ref=True, timeout_s=150, pg_timeout_s=60,
                      env={"PYCOMM_CHECK": "1"}).check().returns
     problems = []
     for r in range(world):
@@ -345,5 +347,11 @@ def test_powersgd_hook_pycomm():
         problems.append(f"digits: PowerSGD rank 2 reached {acc:.3f} test accuracy, dense {dense_acc:.3f}")
     if not torch.equal(flat, rets[1]["digits"]["powersgd"][1]):
         problems.append("digits: replicas differ between the ranks")
+    on_gloo = rets[0]["digits"]["powersgd_gloo"][1]  # the same hook over gloo's all-reduce
+    if not torch.equal(on_gloo, rets[1]["digits"]["powersgd_gloo"][1]):
+        problems.append("digits on gloo: replicas differ between the ranks")
+    if not torch.allclose(on_gloo, flat, rtol=1e-4, atol=1e-5):
+        problems.append(f"digits: the run on gloo differs from the run on pycomm (max |diff| "
+                        f"{(on_gloo - flat).abs().max():.3g})")
     print(f"\n{rets[0]['gaps']}; digits test accuracy: dense {dense_acc:.3f}, PowerSGD rank 2 {acc:.3f}")
     assert not problems, "\n".join(problems)
