@@ -14,6 +14,10 @@ under every configuration:
 * ``8-bit EF`` / ``4-bit EF`` / ``1-bit EF``: QuantizeState(bits=8|4|1) (defaults: block 256,
   stochastic rounding for 8/4 bits, error feedback).
 
+The worker also knows ``powersgd rR`` (pycomm.hooks.powersgd_hook) and ``torch powerSGD rR``
+(torch's powerSGD_hook), with `` noEF`` / `` nowarm`` suffixes: benchmarks/powersgd_digits.py
+runs them (``--configs`` of the worker); they are not in the default CONFIGS.
+
 Optimizer: plain SGD (no momentum) for every run alike -- top-k with momentum needs DGC's
 momentum correction, which the hooks do not implement (docs/compression.md).
 
@@ -79,6 +83,24 @@ def _register(ddp, name, group=None):
     elif name.endswith("-bit EF"):
         bits = int(name.split("-")[0])
         ddp.register_comm_hook(hooks.QuantizeState(group, bits=bits, error_feedback=True), hooks.quantize_hook)
+    elif name.startswith(("powersgd r", "torch powerSGD r")):
+        # "powersgd r4" (pycomm.hooks), "torch powerSGD r4" (torch's hook on the same group), with
+        # " noEF" / " nowarm" suffixes. Both: 2 dense steps first (torch requires them with error
+        # feedback or warm start), min_compression_rate 2, seed 0.
+        words = name.split()
+        rank = int(words[2 if words[0] == "torch" else 1][1:])
+        ef, warm = "noEF" not in words, "nowarm" not in words
+        if words[0] == "torch":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+            state = torch_psgd.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                             start_powerSGD_iter=2, min_compression_rate=2,
+                                             use_error_feedback=ef, warm_start=warm, random_seed=0)
+            ddp.register_comm_hook(state, torch_psgd.powerSGD_hook)
+        else:
+            ddp.register_comm_hook(hooks.PowerSGDState(group, rank=rank, error_feedback=ef, warm_start=warm,
+                                                       min_compression_rate=2, warmup_steps=2, seed=0),
+                                   hooks.powersgd_hook)
     else:
         raise ValueError(name)
 
@@ -103,7 +125,11 @@ def _train_one(name, rank, world, args):
     task = get_task("digits-mlp")
     x_train, y_train = task.x_train, task.y_train
     model = _make_model(args.seed)
-    ddp = DDP(model)
+    # PowerSGD rows: one bucket (an explicit cap also sets DDP's first-bucket cap). torch's
+    # powerSGD_hook issues a bucket's later all-reduces from Future callbacks, which on a CPU
+    # backend can interleave with the next bucket's first one in a different order on each rank
+    # (PYCOMM_CHECK=1 reports it: "ranks made different calls"); with one bucket there is no next.
+    ddp = DDP(model, bucket_cap_mb=25) if "owerSGD" in name or "powersgd" in name else DDP(model)
     _register(ddp, name)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0)
     per_rank = args.global_batch // world
@@ -122,6 +148,8 @@ def _train_one(name, rank, world, args):
             opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
+            if len(times) == 2:
+                sent_after_2 = pycomm.stats()["bytes_sent"]
     sent = pycomm.stats()["bytes_sent"]
     steps = len(times)
     with torch.no_grad():
@@ -139,6 +167,7 @@ def _train_one(name, rank, world, args):
     return {
         "config": name, "steps": steps, "test_accuracy": acc,
         "bytes_per_step": sent / steps, "bytes_sent": sent,
+        "bytes_per_step_after_2": (sent - sent_after_2) / (steps - 2),  # PowerSGD rows: 2 dense steps first
         "median_step_s": warm_sorted[len(warm_sorted) // 2],
         "mean_step_s": sum(warm) / len(warm),
         "train_wall_s": sum(times), "final_train_loss": sum(losses[-steps_per_epoch:]) / steps_per_epoch,

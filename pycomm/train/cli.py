@@ -37,7 +37,8 @@ _HELP = {
     "task": "built-in task: digits-mlp, digits-cnn, digits-logreg, tinylm",
     "dropout": "dropout probability (default: the task's)",
     "strategy": "sync (DDP + comm hook), local_sgd, easgd, gossip, fedavg, hogwild (one host), async_ps, cocoa",
-    "hook": "comm hook for sync steps: allreduce, fp16, bf16, or package.module:attribute",
+    "hook": "comm hook for sync steps: allreduce, fp16, bf16, topk, quantize, powersgd, torch_powersgd, "
+            "or package.module:attribute",
     "local_sgd_period": "local SGD: average the models every H steps",
     "local_sgd_warmup": "local SGD: synchronous steps before going local",
     "easgd_period": "EASGD: elastic update every tau steps",

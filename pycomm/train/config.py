@@ -38,7 +38,7 @@ class TrainConfig:
     dropout: Optional[float] = None      # None: the task's default
     # how ranks communicate
     strategy: str = "sync"               # sync, local_sgd, easgd
-    hook: str = "allreduce"              # sync / warm-up comm hook: allreduce, fp16, bf16, or pkg.mod:attr
+    hook: str = "allreduce"              # sync / warm-up comm hook: allreduce, fp16, bf16, topk, quantize, powersgd, torch_powersgd, or pkg.mod:attr
     local_sgd_period: int = 4            # H: average the models every H optimizer steps
     local_sgd_warmup: int = 0            # synchronous steps before local SGD starts
     easgd_period: int = 4                # tau: elastic update every tau steps

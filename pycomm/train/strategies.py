@@ -11,7 +11,8 @@ Strategies:
 
 ``sync``       (:class:`SyncStrategy`) synchronous data parallel: every step averages the
                gradients through a DDP comm hook (:func:`pycomm.hooks.allreduce_hook`, torch's
-               fp16 / bf16 compress hooks, pycomm's ``topk`` / ``quantize`` hooks, or any hook
+               fp16 / bf16 compress hooks, pycomm's ``topk`` / ``quantize`` / ``powersgd`` hooks,
+               torch's ``torch_powersgd``, or any hook
                registered with :func:`register_hook` or named as ``package.module:attribute``).
 ``local_sgd``  (:class:`LocalSGDStrategy`) Lin et al. 2018: after an optional warm-up of
                synchronous steps, each rank steps on its own gradients and the models are
@@ -36,7 +37,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import hooks
@@ -66,6 +67,12 @@ def _group_state(group):
     return group
 
 
+def _torch_powersgd_state(group):
+    """torch's own PowerSGD (rank 1, error feedback, warm start), for side-by-side runs with
+    ``powersgd``; it needs 2 dense steps first (DDP rebuilds its buckets after step 1)."""
+    return powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2)
+
+
 # The hooks selectable by name without registering anything: name -> (hook, state factory).
 # The state of the dense and 16-bit hooks is the process group itself.
 _BUILTIN_HOOKS: Dict[str, "tuple[Callable, Callable]"] = {
@@ -74,6 +81,8 @@ _BUILTIN_HOOKS: Dict[str, "tuple[Callable, Callable]"] = {
     "bf16": (default_hooks.bf16_compress_hook, _group_state),
     "topk": (hooks.topk_hook, hooks.TopKState),
     "quantize": (hooks.quantize_hook, hooks.QuantizeState),
+    "powersgd": (hooks.powersgd_hook, hooks.PowerSGDState),
+    "torch_powersgd": (powerSGD_hook.powerSGD_hook, _torch_powersgd_state),
 }
 
 _HOOKS: Dict[str, "tuple[Callable, Callable]"] = {}
