@@ -39,7 +39,7 @@ import subprocess
 import time
 
 __all__ = ["NetnsHosts", "netns_unavailable_reason", "enter_netns", "cleanup_leftovers", "run_bounded", "kill_tree",
-           "descendants", "PREFIX", "IFNAME", "SUBNET"]
+           "descendants", "pid_prefix", "PREFIX", "IFNAME", "SUBNET"]
 
 PREFIX = "pcmh"
 IFNAME = "pceth0"  # the host's interface name inside every namespace
@@ -120,6 +120,11 @@ def _b36(n: int) -> str:
             return out
 
 
+def pid_prefix(pid: int) -> str:
+    """The prefix of every namespace and link name made by process ``pid``."""
+    return f"{PREFIX}{_b36(pid)}x"
+
+
 def cleanup_leftovers() -> list:
     """Remove namespaces and links of earlier runs whose creator is dead."""
     removed = []
@@ -148,7 +153,7 @@ class NetnsHosts:
         self.n = n
         self.ifname = IFNAME
         # pid + per-process counter: unique among live runs; <= 15 chars for links
-        self.tag = f"{PREFIX}{_b36(os.getpid())}x{_b36(next(_counter))}"
+        self.tag = f"{pid_prefix(os.getpid())}{_b36(next(_counter))}"
         if len(self.tag) + 1 + len(str(n - 1)) > 15:
             raise RuntimeError(f"tag {self.tag!r} too long for interface names")
         self.bridge = f"{self.tag}br"

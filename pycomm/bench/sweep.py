@@ -317,6 +317,23 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` (message prefixed ``pycomm bench:``) on a bad setting."""
+        if self.hosts is not None:
+            from .hosts import HOSTS_MPI_REASON, valid_rate
+
+            if self.hosts < 1:
+                raise ValueError(f"{PREFIX} --hosts must be at least 1 (got {self.hosts})")
+            if self.ranks_per_host < 1:
+                raise ValueError(f"{PREFIX} --ranks-per-host must be at least 1 (got {self.ranks_per_host})")
+            if self.nprocs != self.hosts * self.ranks_per_host:
+                raise ValueError(f"{PREFIX} --hosts {self.hosts} x --ranks-per-host {self.ranks_per_host} "
+                                 f"makes {self.hosts * self.ranks_per_host} ranks, not -n {self.nprocs}")
+            if self.rate is not None and not valid_rate(self.rate):
+                raise ValueError(f"{PREFIX} --rate {self.rate!r} is not a tc rate (e.g. 10gbit, 1gbit, "
+                                 "100mbit)")
+            if self.mpi:
+                raise ValueError(f"{PREFIX} {HOSTS_MPI_REASON}")
+        elif self.rate is not None or self.ranks_per_host != 1:
+            raise ValueError(f"{PREFIX} --rate and --ranks-per-host need --hosts")
         if self.nprocs < 1:
             raise ValueError(f"{PREFIX} --nprocs must be at least 1 (got {self.nprocs})")
         if self.iters < 1:
@@ -345,23 +362,6 @@ class BenchConfig:
             if self.op not in MPI_OPS:
                 raise ValueError(f"{PREFIX} --mpi: MPI has no {self.op} reduction "
                                  "(use sum, min, max or product)")
-        if self.hosts is not None:
-            from .hosts import HOSTS_MPI_REASON, valid_rate
-
-            if self.hosts < 1:
-                raise ValueError(f"{PREFIX} --hosts must be at least 1 (got {self.hosts})")
-            if self.ranks_per_host < 1:
-                raise ValueError(f"{PREFIX} --ranks-per-host must be at least 1 (got {self.ranks_per_host})")
-            if self.nprocs != self.hosts * self.ranks_per_host:
-                raise ValueError(f"{PREFIX} --hosts {self.hosts} x --ranks-per-host {self.ranks_per_host} "
-                                 f"makes {self.hosts * self.ranks_per_host} ranks, not -n {self.nprocs}")
-            if self.rate is not None and not valid_rate(self.rate):
-                raise ValueError(f"{PREFIX} --rate {self.rate!r} is not a tc rate (e.g. 10gbit, 1gbit, "
-                                 "100mbit)")
-            if self.mpi:
-                raise ValueError(f"{PREFIX} {HOSTS_MPI_REASON}")
-        elif self.rate is not None or self.ranks_per_host != 1:
-            raise ValueError(f"{PREFIX} --rate and --ranks-per-host need --hosts")
         size_sweep(self.min_bytes, self.max_bytes, self.step_factor)
 
 
