@@ -1,8 +1,8 @@
 """``pycomm-bench --hosts N``: the benchmark across network namespaces it makes itself.
 
 * usage errors and the message where namespaces cannot be made (in process, anywhere);
-* end to end on 2 hosts (a small sweep): pycomm and gloo rows, the TCP reference, and
-  nothing of the run left behind (namespaces, links, rank processes);
+* end to end on 2 hosts x 2 ranks (a small sweep): pycomm and gloo rows, the ranks of a
+  host sharing memory (hierarchical), the TCP reference, nothing of the run left behind;
 * SIGTERM / SIGINT in the middle of a run: the ranks and the namespaces are removed
   (slow: a run each).
 
@@ -113,9 +113,12 @@ def test_hosts_unavailable_is_a_clear_error(euid, which_ip, message, monkeypatch
 
 @requires_netns
 def test_cli_hosts_two_end_to_end(tmp_path):
+    """2 hosts x 2 ranks: the ranks of a host count as one host (hierarchical fits and auto
+    takes it), every column checked, the TCP reference measured, nothing left behind."""
     out = tmp_path / "hosts.json"
-    argv = [sys.executable, "-m", "pycomm.bench", "--hosts", "2", "-b", "8", "-e", "4K", "-f", "8",
-            "--iters", "2", "--warmup", "1", "--json", str(out)]
+    argv = [sys.executable, "-m", "pycomm.bench", "--hosts", "2", "--ranks-per-host", "2", "-b", "8",
+            "-e", "4K", "-f", "8", "--iters", "2", "--warmup", "1", "--algos", "auto,ring,hierarchical",
+            "--tcp-reference", "--json", str(out)]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -130,20 +133,19 @@ def test_cli_hosts_two_end_to_end(tmp_path):
     assert re.search(r"# raw TCP, ring pattern .*: \d+\.\d+ GB/s", stdout), stdout
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
-    assert data["ok"] and meta["hosts"] == 2 and meta["ranks_per_host"] == 1 and meta["world_size"] == 2
-    assert meta["host_ifname"] == "pceth0" and meta["tcp_ring_gbps"] > 0
+    assert data["ok"] and meta["hosts"] == 2 and meta["ranks_per_host"] == 2 and meta["world_size"] == 4
+    assert meta["host_ifname"] == "pceth0" and len(meta["tcp_ring_rates"]) == 4 and meta["tcp_ring_gbps"] > 0
     sizes = [8, 64, 512, 4096]
-    names = {"auto", "ring", "tree", "sharded", "gloo"}
+    names = {"auto", "ring", "hierarchical", "gloo"}
     for size in sizes:
         at = {row["name"]: row for row in rows if row["size_bytes"] == size}
         assert set(at) == names, (size, sorted(at))
         assert at["gloo"]["backend"] == "gloo" and at["gloo"]["peer"]
         assert all(row["check"] == "OK" and row["time_us"] > 0 for row in at.values()), at
+        assert at["auto"]["selected"] == "hierarchical", at["auto"]
         # the table has this size's row with every column's time and the verdict
         line = next(l for l in stdout.splitlines() if l.split()[:1] == [str(size)])
         assert line.split()[-1] == "OK", line
-    # two ranks in two namespaces: auto never took the one-host algorithms
-    assert all(row["selected"] not in ("shm", "hierarchical") for row in rows if row["name"] == "auto")
 
 
 @pytest.mark.slow

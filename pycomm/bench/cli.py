@@ -65,11 +65,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tcp-reference", action=argparse.BooleanOptionalAction, default=None,
                         help="measure raw TCP between the same ranks in the ring's pattern (one "
                              "stream out, one in, at once) and print it as the reference for busbw "
-                             "(default: on when PYCOMM_TRANSPORT=tcp)")
+                             "(default: on when PYCOMM_TRANSPORT=tcp, and with --hosts at one rank per host)")
     hosts = parser.add_argument_group(
         "several hosts on this machine (root, iproute2)",
         "Make N network namespaces on a private bridge (veth per host), run the ranks inside "
-        "them (gloo and pycomm over TCP between hosts, the raw-TCP reference line on by default) "
+        "them (gloo and pycomm over TCP between hosts; the raw-TCP reference line on by default "
+        "with one rank per host) "
         "and remove everything afterwards, also on Ctrl-C / SIGTERM.")
     hosts.add_argument("--hosts", type=int, default=None, metavar="N",
                        help="run across N namespaces made for this run")

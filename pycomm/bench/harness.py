@@ -135,7 +135,7 @@ def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_siz
 
     config = load_config()
     wanted = cfg.tcp_reference if cfg.tcp_reference is not None else (
-        cfg.backend == "pycomm" and (config.transport == "tcp" or bool(cfg.hosts)))
+        cfg.backend == "pycomm" and (config.transport == "tcp" or (bool(cfg.hosts) and cfg.ranks_per_host == 1)))
     if not wanted or world_size < 2:
         return None, None
     from .link import tcp_ring_bandwidth

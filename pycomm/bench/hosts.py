@@ -3,10 +3,11 @@
 Run as root, the benchmark makes ``N`` hosts on this machine itself
 (:class:`pycomm.netns.NetnsHosts`: a namespace each, a veth into a private bridge,
 optionally ``tc tbf`` at ``--rate`` on each host's egress), starts ``--ranks-per-host``
-ranks inside each (``ip netns exec``, so the whole process lives there from its first
-instruction), runs the usual sweep (:func:`pycomm.bench.harness.bench_worker`: every
-pycomm algorithm and gloo on the same buffers, the raw-TCP reference of
-:mod:`pycomm.bench.link` between the same addresses) and removes everything again:
+ranks inside each (:meth:`~pycomm.netns.NetnsHosts.enter_cmd`: setns(2), then exec, so the
+whole process lives there from its first instruction; ranks of one host share the mount
+namespace and so count as one host for shared memory), runs the usual sweep (:func:`pycomm.bench.harness.bench_worker`: every
+pycomm algorithm and gloo on the same buffers, and, with one rank per host, the raw-TCP
+reference of :mod:`pycomm.bench.link` between the same addresses) and removes everything again:
 on success, on error, on SIGINT and on SIGTERM (a SIGKILL leaves namespaces that the
 next run removes: their names carry the creator's pid).
 
@@ -131,7 +132,9 @@ def run_on_hosts(cfg: BenchConfig) -> BenchResult:
                 argv = [sys.executable, "-m", _RANK_MODULE, str(rank), str(world), init_method, payload,
                         result_path]
                 # A session of its own: a terminal's Ctrl-C reaches us, and we stop the ranks.
-                procs.append(hosts.popen(host, argv, env=env, start_new_session=True))
+                # enter_cmd, not ip netns exec: the ranks of a host must share the mount
+                # namespace, or pycomm takes each for a host of its own (no shared memory).
+                procs.append(subprocess.Popen(hosts.enter_cmd(host, argv), env=env, start_new_session=True))
             _wait(procs, cfg, limit)
             if not os.path.exists(result_path):
                 raise RuntimeError(f"{PREFIX} --hosts: rank 0 finished without a result")

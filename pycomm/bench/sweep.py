@@ -302,7 +302,8 @@ class BenchConfig:
     plot_path: Optional[str] = None
     mpi: bool = False
     # The raw-TCP reference line (pycomm.bench.link): None = on when pycomm runs over TCP
-    # only (PYCOMM_TRANSPORT=tcp) or across hosts (--hosts).
+    # only (PYCOMM_TRANSPORT=tcp) or across hosts with one rank each (--hosts N; with more
+    # ranks per host half the ring's links stay inside a host, so it is no ceiling).
     tcp_reference: Optional[bool] = None
     # --hosts N: N network namespaces made for the run (pycomm.bench.hosts), ranks_per_host
     # ranks in each (nprocs is then hosts * ranks_per_host); rate: tc tbf on each host's egress.
