@@ -314,6 +314,7 @@ def spawn_run(
     master_addr: str = "127.0.0.1",
     rank_env: list | None = None,
     pre_init: Callable | None = None,
+    exit_timeout_s: float = 10.0,
 ) -> RunResult:
     """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
     longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
@@ -325,7 +326,9 @@ def spawn_run(
     is the rendezvous host for init="tcp"/"env" (rank 0 must be able to
     listen there); ``rank_env[rank]`` adds per-rank environment variables.
     ``pre_init(rank)`` (a module-level function) runs in each rank before
-    init_process_group, e.g. to set a resource limit on one rank."""
+    init_process_group, e.g. to set a resource limit on one rank. ``exit_timeout_s``:
+    how long the ranks that finished get, together, to leave the interpreter (many
+    ranks on few cores need more than the default)."""
     mp = multiprocessing.get_context("spawn")
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
     port = free_port() if init in ("tcp", "env") else 0
@@ -412,15 +415,15 @@ def spawn_run(
             if now > limit:
                 break
     finally:
-        exit_deadline = time.monotonic() + 10.0
+        exit_deadline = time.monotonic() + exit_timeout_s
         for rank, p in enumerate(procs):
             if rank in exited:
                 # it sent its last message; it should now terminate by itself
                 p.join(timeout=max(0.0, exit_deadline - time.monotonic()))
                 if p.is_alive():
                     hung.append(rank)
-                    progress[rank] = "process did not terminate within 10 s after its worker finished " \
-                                     "(stuck at interpreter exit?)"
+                    progress[rank] = f"process did not terminate within {exit_timeout_s:g} s after its worker " \
+                                     "finished (stuck at interpreter exit?)"
         for rank, p in enumerate(procs):
             if p.is_alive():
                 if rank not in exited and rank not in crashed:

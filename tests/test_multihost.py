@@ -331,3 +331,156 @@ def test_torchrun_across_namespaces(make_hosts, tmp_path):
     # every host ran per_host ranks
     on = {a: sum(1 for s in seen if s[2] == a) for a in hosts.addrs}
     assert on == {a: per_host for a in hosts.addrs}, (on, report)
+
+
+# ---------------------------------------------------------------------------
+# 16 ranks on 8 hosts (2 per host): every collective, exact closed forms
+# ---------------------------------------------------------------------------
+
+# all-reduce algorithms that fit 8 hosts x 2 ranks; shm (every rank on one host) does not
+FITTING_ALGOS = ("auto", "ring", "tree", "sharded", "hierarchical")
+
+
+def _weights(n, dtype=torch.float32):
+    return (torch.arange(n) % 5 + 1).to(dtype)
+
+
+def sixteen_worker(ctx, sizes):
+    """Every collective once per size on the default (pycomm) group; returns the failures,
+    each naming the collective, the size and what differed."""
+    import pycomm
+
+    r, w = ctx.rank, ctx.world_size
+    fails, algos = [], {}
+
+    def expect(what, got, want):
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero()
+            first = int(bad[0][0]) if bad.numel() else -1
+            fails.append(f"rank {r}: {what}: {bad.shape[0]} element(s) differ, first at {first}: "
+                         f"got {got.reshape(-1)[first].item()}, want {want.reshape(-1)[first].item()}")
+
+    tri = w * (w + 1) // 2  # sum of rank + 1 over the ranks
+    for algo in FITTING_ALGOS:
+        ctx.progress(f"all_reduce {algo}")
+        pycomm.set_algorithm(algo)
+        for n in sizes + (65537,):
+            x = _weights(n) * (r + 1)
+            dist.all_reduce(x)
+            expect(f"all_reduce sum {algo} n={n}", x, _weights(n) * tri)
+            algos[(algo, n)] = pycomm.last_algorithm()
+    pycomm.set_algorithm("auto")
+    try:
+        pycomm.set_algorithm("shm")
+        fails.append(f"rank {r}: set_algorithm('shm') accepted on 8 hosts")
+    except Exception as exc:  # a usage error, the same on every rank
+        if "shm" not in str(exc):
+            fails.append(f"rank {r}: set_algorithm('shm') raised {exc!r}")
+    pycomm.set_algorithm("auto")
+    for n in sizes:
+        ctx.progress(f"collectives n={n}")
+        ar = torch.arange(n, dtype=torch.int64)
+        x = (r * 1000 + ar).to(torch.int32)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        expect(f"all_reduce max n={n}", x, ((w - 1) * 1000 + ar).to(torch.int32))
+        x = torch.full((n,), 2 if r % 4 == 0 else 1, dtype=torch.int64)
+        dist.all_reduce(x, op=dist.ReduceOp.PRODUCT)
+        expect(f"all_reduce product n={n}", x, torch.full((n,), 2 ** (w // 4), dtype=torch.int64))
+
+        for src in (0, 5):  # 5: the second rank of host 2
+            x = torch.full((n,), r, dtype=torch.int64) + ar
+            dist.broadcast(x, src=src)
+            expect(f"broadcast src={src} n={n}", x, src + ar)
+
+        x = _weights(n) * (r + 1)
+        dist.reduce(x, dst=3)
+        if r == 3:
+            expect(f"reduce dst=3 n={n}", x, _weights(n) * tri)
+
+        outs = [torch.empty(n, dtype=torch.int64) for _ in range(w)]
+        dist.all_gather(outs, r * 10 + ar)
+        for j in range(w):
+            expect(f"all_gather n={n} part {j}", outs[j], j * 10 + ar)
+        flat = torch.empty(w * n, dtype=torch.int64)
+        dist.all_gather_into_tensor(flat, r * 10 + ar)
+        expect(f"all_gather_into_tensor n={n}", flat,
+               torch.cat([j * 10 + ar for j in range(w)]))
+
+        outs = [torch.empty(n, dtype=torch.int64) for _ in range(w)] if r == 7 else None
+        dist.gather(r * 10 + ar, outs, dst=7)
+        if r == 7:
+            for j in range(w):
+                expect(f"gather dst=7 n={n} part {j}", outs[j], j * 10 + ar)
+
+        got = torch.empty(n, dtype=torch.int64)
+        parts = [j * 3 + ar for j in range(w)] if r == 9 else None
+        dist.scatter(got, parts, src=9)
+        expect(f"scatter src=9 n={n}", got, r * 3 + ar)
+
+        ins = [_weights(n) * (r + 1) * (j + 1) for j in range(w)]
+        got = torch.empty(n)
+        dist.reduce_scatter(got, ins)
+        expect(f"reduce_scatter n={n}", got, _weights(n) * tri * (r + 1))
+        got = torch.empty(n)
+        dist.reduce_scatter_tensor(got, torch.cat(ins))
+        expect(f"reduce_scatter_tensor n={n}", got, _weights(n) * tri * (r + 1))
+
+        # all-to-all: rank a sends rank b (a + b) % 3 + n values a * 100 + b
+        def count(a, b):
+            return (a + b) % 3 + n
+
+        ins = [torch.full((count(r, j),), r * 100 + j, dtype=torch.int64) for j in range(w)]
+        outs = [torch.empty(count(j, r), dtype=torch.int64) for j in range(w)]
+        dist.all_to_all(outs, ins)
+        for j in range(w):
+            expect(f"all_to_all n={n} from {j}", outs[j], torch.full((count(j, r),), j * 100 + r))
+        out = torch.empty(sum(count(j, r) for j in range(w)), dtype=torch.int64)
+        dist.all_to_all_single(out, torch.cat(ins), [count(j, r) for j in range(w)],
+                               [count(r, j) for j in range(w)])
+        expect(f"all_to_all_single uneven n={n}", out,
+               torch.cat([torch.full((count(j, r),), j * 100 + r) for j in range(w)]))
+
+        # a ring of isend/irecv: every other link stays on a host, the rest cross hosts
+        got = torch.empty(n, dtype=torch.int64)
+        works = [dist.isend(r * 7 + ar, dst=(r + 1) % w, tag=n), dist.irecv(got, src=(r - 1) % w, tag=n)]
+        for work in works:
+            work.wait()
+        expect(f"isend/irecv ring n={n}", got, (r - 1) % w * 7 + ar)
+        # blocking send/recv across hosts: host k's first rank to host k+1's second rank
+        if r % 2 == 0:
+            dist.send(r + ar, dst=(r + 3) % w)
+        else:
+            got = torch.empty(n, dtype=torch.int64)
+            dist.recv(got, src=(r - 3) % w)
+            expect(f"send/recv n={n}", got, (r - 3) % w + ar)
+
+    # barrier: nobody passes before everyone has arrived (a marker file per rank and round)
+    for round_index in range(3):
+        ctx.progress(f"barrier round {round_index}")
+        open(os.path.join(ctx.tmpdir, f"arrived_{round_index}_{r}"), "w").close()
+        dist.barrier()
+        missing = [j for j in range(w) if not os.path.exists(os.path.join(ctx.tmpdir, f"arrived_{round_index}_{j}"))]
+        if missing:
+            fails.append(f"rank {r}: passed barrier round {round_index} before ranks {missing} arrived")
+    return {"failures": fails, "algorithms": algos}
+
+
+@pytest.mark.slow
+def test_sixteen_ranks_eight_hosts(make_hosts):
+    """16 ranks, 2 on each of 8 hosts (shared memory within a host, TCP across): every
+    collective on one group, results against closed forms."""
+    hosts = make_hosts(8)
+    world = 16
+    sizes = (1, 37, 4099)  # one element, fewer than the ranks, not divisible by 16
+    res = spawn_run(sixteen_worker, world, args=(sizes,), netns=_placement(hosts, 2), env=_env(True),
+                    make_ref=False, timeout_s=240, pg_timeout_s=60,
+                    exit_timeout_s=60).check()  # 16 interpreters leaving on 2 cores
+    fails = [f for r in range(world) for f in res.returns[r]["failures"]]
+    assert not fails, format_failures(fails)
+    for r in range(world):
+        algos = res.returns[r]["algorithms"]
+        for (algo, n), used in algos.items():
+            if algo != "auto":
+                assert used == algo, f"rank {r}: all_reduce with {algo} fixed ran {used} (n={n})"
+        # the big size, left to auto: reduced inside each host first
+        assert algos[("auto", 65537)] == "hierarchical", algos

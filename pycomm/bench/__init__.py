@@ -14,7 +14,8 @@ The package is a harness plus one small runner per backend:
 * :mod:`.runners`: pycomm (one column per algorithm) and torch.distributed peers (gloo);
   :mod:`.mpi`: Open MPI through mpi4py, run under mpirun (``python -m pycomm.bench.mpi``);
 * :mod:`.report`: tables, JSON, plot; :mod:`.harness`: one run (spawn or torchrun, then
-  MPI); :mod:`.cli`: argparse and ``main``.
+  MPI); :mod:`.hosts`: ``--hosts N``, the ranks in network namespaces made for the run
+  (:mod:`pycomm.netns`); :mod:`.cli`: argparse and ``main``.
 
 Workers are spawned on this host (``-n``), or, when ``RANK`` and
 ``WORLD_SIZE`` are set (``torchrun``), the current processes are the ranks

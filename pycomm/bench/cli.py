@@ -21,12 +21,13 @@ def _build_parser() -> argparse.ArgumentParser:
             "median time over iterations (slowest rank), algbw = S/t and busbw = algbw*2(n-1)/n, "
             "and checks every result against a closed-form value. Under torchrun (RANK and "
             "WORLD_SIZE set) the launched processes are the ranks; otherwise -n ranks are "
-            "spawned on this host."
+            "spawned on this host, or, with --hosts, across network namespaces made for the run."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("-n", "--nprocs", type=int, default=2,
-                        help="ranks to spawn on this host (ignored under torchrun)")
+    parser.add_argument("-n", "--nprocs", type=int, default=None,
+                        help="ranks to spawn on this host (ignored under torchrun; default 2, or "
+                             "hosts x ranks-per-host with --hosts)")
     parser.add_argument("-b", "--minbytes", type=size_arg, default="8",
                         help="smallest message in bytes per rank; suffixes K, M, G (binary)")
     parser.add_argument("-e", "--maxbytes", type=size_arg, default="64M",
@@ -64,7 +65,19 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tcp-reference", action=argparse.BooleanOptionalAction, default=None,
                         help="measure raw TCP between the same ranks in the ring's pattern (one "
                              "stream out, one in, at once) and print it as the reference for busbw "
-                             "(default: on when PYCOMM_TRANSPORT=tcp)")
+                             "(default: on when PYCOMM_TRANSPORT=tcp, and with --hosts at one rank per host)")
+    hosts = parser.add_argument_group(
+        "several hosts on this machine (root, iproute2)",
+        "Make N network namespaces on a private bridge (veth per host), run the ranks inside "
+        "them (gloo and pycomm over TCP between hosts; the raw-TCP reference line on by default "
+        "with one rank per host) "
+        "and remove everything afterwards, also on Ctrl-C / SIGTERM.")
+    hosts.add_argument("--hosts", type=int, default=None, metavar="N",
+                       help="run across N namespaces made for this run")
+    hosts.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                       help="ranks in each namespace (they share memory within a host)")
+    hosts.add_argument("--rate", default=None, metavar="RATE",
+                       help="limit each host's egress with tc tbf at this rate (e.g. 10gbit, 1gbit)")
     return parser
 
 
@@ -74,8 +87,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
     args = parser.parse_args(argv)
     algos = tuple(name.strip() for name in args.algos.split(",") if name.strip())
     peer = None if args.peer.strip().lower() in ("", "none") else args.peer.strip()
+    nprocs = args.nprocs
+    if nprocs is None:
+        nprocs = args.hosts * args.ranks_per_host if args.hosts is not None else 2
     cfg = BenchConfig(
-        nprocs=args.nprocs,
+        nprocs=nprocs,
         min_bytes=args.minbytes,
         max_bytes=args.maxbytes,
         step_factor=args.stepfactor,
@@ -92,6 +108,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         plot_path=args.plot_path,
         mpi=args.mpi,
         tcp_reference=args.tcp_reference,
+        hosts=args.hosts,
+        ranks_per_host=args.ranks_per_host,
+        rate=args.rate,
     )
     try:
         cfg.validate()
@@ -111,6 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             message = f"{PREFIX} {message}"
         print(message, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"{PREFIX} interrupted", file=sys.stderr)
+        return 130
     return 0 if result.ok else 1
 
 

@@ -1,5 +1,5 @@
-"""One benchmark run: the torch.distributed ranks (spawned here or joined under torchrun),
-then, with ``--mpi``, the same sweep through Open MPI under mpirun, then JSON and plot.
+"""One benchmark run: the torch.distributed ranks (spawned here, joined under torchrun, or
+started in network namespaces made for the run with ``--hosts``, :mod:`.hosts`), then, with ``--mpi``, the same sweep through Open MPI under mpirun, then JSON and plot.
 
 For every message size each pycomm all-reduce algorithm (chosen with
 ``pycomm.set_algorithm``) and a peer backend (gloo by default) run on the same buffer in
@@ -95,7 +95,8 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "hostname": socket.gethostname(),
         "collective": "allreduce",
         "world_size": world_size,
-        "launcher": "torchrun" if torchrun_env() else "spawn",
+        "launcher": ("torchrun" if torchrun_env() else
+                     f"netns, {cfg.hosts} hosts x {cfg.ranks_per_host}" if cfg.hosts else "spawn"),
         "torch_version": torch.__version__,
         "pycomm_version": getattr(pycomm, "__version__", None) if pycomm else None,
         "python_version": platform.python_version(),
@@ -112,6 +113,9 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "warmup": cfg.warmup,
         "check": cfg.check,
     }
+    if cfg.hosts:
+        meta.update(hosts=cfg.hosts, ranks_per_host=cfg.ranks_per_host, rate=cfg.rate,
+                    host_ifname=os.environ.get("PYCOMM_SOCKET_IFNAME"))
     sizes, skipped = byte_sizes(cfg)
     printer = TablePrinter(runs, world_size, enabled=(rank == 0 and not cfg.quiet))
     printer.header(meta, skipped)
@@ -131,7 +135,7 @@ def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_siz
 
     config = load_config()
     wanted = cfg.tcp_reference if cfg.tcp_reference is not None else (
-        cfg.backend == "pycomm" and config.transport == "tcp")
+        cfg.backend == "pycomm" and (config.transport == "tcp" or (bool(cfg.hosts) and cfg.ranks_per_host == 1)))
     if not wanted or world_size < 2:
         return None, None
     from .link import tcp_ring_bandwidth
@@ -146,6 +150,9 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
     if set. Returns the result (the same on every rank under torchrun).
     """
     cfg.validate()
+    if cfg.hosts and torchrun_env() is not None:
+        raise RuntimeError(f"{PREFIX} --hosts makes its own ranks in network namespaces; "
+                           "run pycomm-bench --hosts N outside torchrun")
     if cfg.mpi:
         if torchrun_env() is not None:
             raise RuntimeError(f"{PREFIX} --mpi starts its own mpirun on this host; "
@@ -161,7 +168,12 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
         # Fail fast (before spawning) if the pattern cannot be exact.
         world = torchrun_env()[1] if torchrun_env() else cfg.nprocs
         pattern_period(DTYPES[cfg.dtype], cfg.op_name, world)
-    result = launch_workers(bench_worker, cfg.nprocs, cfg, prefix=PREFIX, expected_errors=(PREFIX,))
+    if cfg.hosts:
+        from .hosts import run_on_hosts
+
+        result = run_on_hosts(cfg)
+    else:
+        result = launch_workers(bench_worker, cfg.nprocs, cfg, prefix=PREFIX, expected_errors=(PREFIX,))
     if cfg.mpi:
         result = join_mpi(result, _run_mpi_sweep(cfg, result.meta["world_size"]))
         if not cfg.quiet:

@@ -76,6 +76,12 @@ class TablePrinter:
         self._print(f"# world size {meta['world_size']} ({meta['launcher']}), torch {meta['torch_version']}, "
                     f"pycomm {pycomm_version}, python {meta['python_version']}, "
                     f"torch threads/rank {meta['torch_threads']}")
+        if meta.get("hosts"):
+            rate = (f"tc tbf rate {meta['rate']} (burst 256kb, latency 50ms) on each host's egress"
+                    if meta.get("rate") else "no rate limit")
+            self._print(f"# hosts: {meta['hosts']} network namespaces on one machine, {meta['ranks_per_host']} "
+                        f"rank(s) each, a veth per host on a private bridge, {rate}; gloo and pycomm on "
+                        f"{meta.get('host_ifname') or '?'}")
         self._print(f"# memcpy (1 thread, {format_size(MEMCPY_BYTES)}, median of {MEMCPY_REPEATS}): "
                     f"{meta['memcpy_gbps']:.2f} GB/s")
         if meta.get("tcp_ring_gbps") is not None:

@@ -302,8 +302,14 @@ class BenchConfig:
     plot_path: Optional[str] = None
     mpi: bool = False
     # The raw-TCP reference line (pycomm.bench.link): None = on when pycomm runs over TCP
-    # only (PYCOMM_TRANSPORT=tcp).
+    # only (PYCOMM_TRANSPORT=tcp) or across hosts with one rank each (--hosts N; with more
+    # ranks per host half the ring's links stay inside a host, so it is no ceiling).
     tcp_reference: Optional[bool] = None
+    # --hosts N: N network namespaces made for the run (pycomm.bench.hosts), ranks_per_host
+    # ranks in each (nprocs is then hosts * ranks_per_host); rate: tc tbf on each host's egress.
+    hosts: Optional[int] = None
+    ranks_per_host: int = 1
+    rate: Optional[str] = None
 
     @property
     def op_name(self) -> str:
@@ -312,6 +318,23 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` (message prefixed ``pycomm bench:``) on a bad setting."""
+        if self.hosts is not None:
+            from .hosts import HOSTS_MPI_REASON, valid_rate
+
+            if self.hosts < 1:
+                raise ValueError(f"{PREFIX} --hosts must be at least 1 (got {self.hosts})")
+            if self.ranks_per_host < 1:
+                raise ValueError(f"{PREFIX} --ranks-per-host must be at least 1 (got {self.ranks_per_host})")
+            if self.nprocs != self.hosts * self.ranks_per_host:
+                raise ValueError(f"{PREFIX} --hosts {self.hosts} x --ranks-per-host {self.ranks_per_host} "
+                                 f"makes {self.hosts * self.ranks_per_host} ranks, not -n {self.nprocs}")
+            if self.rate is not None and not valid_rate(self.rate):
+                raise ValueError(f"{PREFIX} --rate {self.rate!r} is not a tc rate (e.g. 10gbit, 1gbit, "
+                                 "100mbit)")
+            if self.mpi:
+                raise ValueError(f"{PREFIX} {HOSTS_MPI_REASON}")
+        elif self.rate is not None or self.ranks_per_host != 1:
+            raise ValueError(f"{PREFIX} --rate and --ranks-per-host need --hosts")
         if self.nprocs < 1:
             raise ValueError(f"{PREFIX} --nprocs must be at least 1 (got {self.nprocs})")
         if self.iters < 1:

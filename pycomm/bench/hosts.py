@@ -1,0 +1,196 @@
+"""``pycomm-bench --hosts N``: the benchmark across network namespaces, one per "host".
+
+Run as root, the benchmark makes ``N`` hosts on this machine itself
+(:class:`pycomm.netns.NetnsHosts`: a namespace each, a veth into a private bridge,
+optionally ``tc tbf`` at ``--rate`` on each host's egress), starts ``--ranks-per-host``
+ranks inside each (:meth:`~pycomm.netns.NetnsHosts.enter_cmd`: setns(2), then exec, so the
+whole process lives there from its first instruction; ranks of one host share the mount
+namespace and so count as one host for shared memory), runs the usual sweep (:func:`pycomm.bench.harness.bench_worker`: every
+pycomm algorithm and gloo on the same buffers, and, with one rank per host, the raw-TCP
+reference of :mod:`pycomm.bench.link` between the same addresses) and removes everything again:
+on success, on error, on SIGINT and on SIGTERM (a SIGKILL leaves namespaces that the
+next run removes: their names carry the creator's pid).
+
+Ranks rendezvous through a ``tcp://`` store on host 0's address; gloo and pycomm listen
+on the namespace interface (``GLOO_SOCKET_IFNAME`` / ``PYCOMM_SOCKET_IFNAME``), so
+every byte between hosts crosses the veths and the bridge, and ranks of one host talk
+through shared memory (pycomm) or the host's own address (gloo, the TCP reference).
+
+Open MPI is not run across the namespaces: ``mpirun`` starts its local ranks by
+forking, all in its own namespace; spreading them would take a hostfile of the
+namespace addresses, ``mpirun`` itself inside host 0 (the bridge has no address in
+the root namespace) and an rsh agent that enters a namespace instead of ssh-ing.
+``--hosts`` with ``--mpi`` is refused with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+from .sweep import PREFIX, BenchConfig, BenchResult, size_sweep
+
+__all__ = ["HOSTS_MPI_REASON", "hosts_unavailable_reason", "run_on_hosts", "valid_rate"]
+
+HOSTS_MPI_REASON = ("--mpi is not supported with --hosts: mpirun forks its ranks in its own network "
+                    "namespace; across namespaces it would need to run inside host 0 with an rsh agent "
+                    "that enters each namespace (see pycomm/bench/hosts.py)")
+
+# tc's rate syntax, the forms we accept: a number and a bit or byte unit.
+_RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
+# The module each rank runs (its main() below).
+_RANK_MODULE = "pycomm.bench.hosts"
+# How often the parent looks at its ranks.
+_POLL_S = 0.2
+
+
+def valid_rate(rate: str) -> bool:
+    """True when ``rate`` is a tc rate we accept (``10gbit``, ``1gbit``, ``100mbit``, ``125mbps``)."""
+    return bool(_RATE_RE.match(rate))
+
+
+def hosts_unavailable_reason(rate: Optional[str] = None) -> Optional[str]:
+    """Why ``--hosts`` cannot run here (not root, no ``ip``, no ``tc`` for a rate, namespaces
+    refused), or None when it can."""
+    from ..netns import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason is None and rate and shutil.which("tc") is None:
+        reason = "--rate needs tc (iproute2) and it is not installed"
+    return reason
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (and SIGHUP) raise SystemExit in the main thread while inside, so the
+    finally blocks that remove the namespaces run; SIGINT already raises KeyboardInterrupt."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave the signals alone
+            pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _rank_env(ifname: str) -> dict:
+    """The ranks' environment: ours, the namespace interface for gloo and pycomm, this
+    pycomm on the path, never a torchrun rendezvous."""
+    import pycomm
+
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env["GLOO_SOCKET_IFNAME"] = ifname
+    env["PYCOMM_SOCKET_IFNAME"] = ifname
+    return env
+
+
+def run_on_hosts(cfg: BenchConfig) -> BenchResult:
+    """Make ``cfg.hosts`` namespaces, run ``cfg.ranks_per_host`` ranks of the sweep in each,
+    return rank 0's result; the namespaces and the ranks are gone when this returns or
+    raises. Rank 0 prints the table to this process's stdout as it goes."""
+    from ..netns import NetnsHosts, kill_tree
+
+    reason = hosts_unavailable_reason(cfg.rate)
+    if reason:
+        raise RuntimeError(f"{PREFIX} --hosts needs network namespaces: {reason}")
+    world = cfg.hosts * cfg.ranks_per_host
+    sizes = len(size_sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor))
+    limit = cfg.timeout_s * (sizes + 2)  # each collective is bounded by timeout_s already
+    hosts = NetnsHosts(cfg.hosts, rate=cfg.rate)
+    procs: List[subprocess.Popen] = []
+    with _sigterm_raises(), tempfile.TemporaryDirectory(prefix="pycomm-bench-hosts-") as tmpdir:
+        try:
+            hosts.create()
+            payload = os.path.join(tmpdir, "cfg.pkl")
+            with open(payload, "wb") as handle:
+                pickle.dump(cfg, handle)
+            result_path = os.path.join(tmpdir, "result.pkl")
+            init_method = f"tcp://{hosts.addrs[0]}:29500"  # a fresh namespace: every port is free
+            env = _rank_env(hosts.ifname)
+            for rank in range(world):
+                host = rank // cfg.ranks_per_host
+                argv = [sys.executable, "-m", _RANK_MODULE, str(rank), str(world), init_method, payload,
+                        result_path]
+                # A session of its own: a terminal's Ctrl-C reaches us, and we stop the ranks.
+                # enter_cmd, not ip netns exec: the ranks of a host must share the mount
+                # namespace, or pycomm takes each for a host of its own (no shared memory).
+                procs.append(subprocess.Popen(hosts.enter_cmd(host, argv), env=env, start_new_session=True))
+            _wait(procs, cfg, limit)
+            if not os.path.exists(result_path):
+                raise RuntimeError(f"{PREFIX} --hosts: rank 0 finished without a result")
+            with open(result_path, "rb") as handle:
+                return pickle.load(handle)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    kill_tree(proc, grace=2.0)
+            hosts.close()
+
+
+def _wait(procs: List[subprocess.Popen], cfg: BenchConfig, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    pending = dict(enumerate(procs))
+    while pending:
+        for rank, proc in list(pending.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del pending[rank]
+            if code != 0:
+                host = rank // cfg.ranks_per_host
+                raise RuntimeError(f"{PREFIX} --hosts: rank {rank} (host {host}) exited with code {code}")
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{PREFIX} --hosts: ranks {sorted(pending)} did not finish in {limit:.0f} s")
+        time.sleep(_POLL_S)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """One rank, started by :func:`run_on_hosts` inside its namespace:
+    ``python -m pycomm.bench.hosts RANK WORLD INIT_METHOD CFG.pkl RESULT.pkl``."""
+    rank_text, world_text, init_method, payload, result_path = (argv if argv is not None else sys.argv[1:])
+    rank, world = int(rank_text), int(world_text)
+    import torch
+
+    from .harness import bench_worker
+
+    if world > 1:  # as pycomm.launch does for spawned ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    with open(payload, "rb") as handle:
+        cfg = pickle.load(handle)
+    try:
+        result = bench_worker(rank, world, init_method, cfg)
+    except (RuntimeError, ValueError) as exc:
+        if not str(exc).startswith(PREFIX):
+            raise
+        print(f"{exc} (rank {rank})", file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        tmp = result_path + ".tmp"
+        with open(tmp, "wb") as handle:
+            pickle.dump(result, handle)
+        os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
