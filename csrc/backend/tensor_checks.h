@@ -1,7 +1,8 @@
 // Usage checks on torch arguments, shared by every entry point of the backend
-// layer: the process group's collectives, its compressed collectives and the
-// kernel bindings, and the device seam's probe (device_seam.h). They raise at the call, naming the op ("pycomm <op>: ..."):
-// torch's ValueError, or TypeError for a dtype pycomm does not carry.
+// layer: the process group's collectives, its compressed collectives, the kernel
+// bindings (CPU and CUDA) and the device seam's probe (device_seam.h). They raise
+// at the call, naming the op ("pycomm <op>: ..."): torch's ValueError, or
+// TypeError for a dtype pycomm does not carry.
 #pragma once
 
 #include <ATen/ATen.h>
