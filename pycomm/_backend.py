@@ -68,10 +68,11 @@ def register() -> None:
     """Registers the backend with torch.distributed (done by `import pycomm`)."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    # The CUDA build also takes CUDA tensors (staged through pinned host memory,
-    # csrc/backend/cuda_staging.h); the CPU build is registered for cpu only.
-    devices = ["cpu", "cuda"] if _C._built_with_cuda() else ["cpu"]
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)
+    # cpu, and every device type with a device seam (csrc/backend/device_seam.h): the
+    # CUDA build also takes CUDA tensors, staged through pinned host memory
+    # (cuda_staging.h); the CPU build is registered for cpu only.
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
+                                  devices=_C._devices())
 
 
 def _backend_of(group) -> "_C.ProcessGroupPycomm":

@@ -10,10 +10,8 @@
 
 #include "algorithms/allreduce_registry.h"
 #include "backend/process_group.h"
+#include "backend/device_seam.h"
 #include "common/stats.h"
-#ifdef PYCOMM_WITH_CUDA
-#include "backend/cuda_staging.h"
-#endif
 
 namespace py = pybind11;
 
@@ -55,16 +53,11 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ProcessGroupPycomm, c10::intrusive_ptr<ProcessGroupPycomm>>(m, "ProcessGroupPycomm",
                                                                         backendBase)
+      // Tensors of a device with a seam (CUDA in the CUDA build) go through it
+      // (device_seam.h): one class for every device.
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        pycomm::GroupConfig config) {
-#ifdef PYCOMM_WITH_CUDA
-             // Also takes CUDA tensors, staged through pinned host memory (cuda_staging.h).
-             return c10::intrusive_ptr<ProcessGroupPycomm>(
-                 c10::make_intrusive<pycomm::ProcessGroupPycommCuda>(store, rank, size,
-                                                                    std::move(config)));
-#else
              return c10::make_intrusive<ProcessGroupPycomm>(store, rank, size, std::move(config));
-#endif
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
            py::call_guard<py::gil_scoped_release>())
@@ -124,14 +117,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("segments") = std::vector<int64_t>{}, py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
           "sparse all-reduce (SUM) of (ascending int64 indices, float32 values) into the dense "
           "float32 `out`; returns a Work");
-#ifdef PYCOMM_WITH_CUDA
-  // Registered so that pybind11, which names an object by its most derived C++ type,
-  // hands torch's backend objects to Python as a ProcessGroupPycomm subclass (without
-  // it they arrive as a plain Backend and pycomm.set_algorithm & co reject them).
-  py::class_<pycomm::ProcessGroupPycommCuda, ProcessGroupPycomm,
-             c10::intrusive_ptr<pycomm::ProcessGroupPycommCuda>>(
-      m, "_ProcessGroupPycommCuda", "ProcessGroupPycomm that also stages CUDA tensors");
-#endif
 
   m.def("_stats", [] {
     auto& stats = pycomm::Stats::instance();
@@ -171,6 +156,8 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.def("_built_with_cuda", [] { return false; });
 #endif
+  m.def("_devices", &pycomm::seamDevices,
+        "the device types the backend takes: cpu and each with a device seam (device_seam.h)");
   m.def("allreduce_algorithms", &pycomm::allreduceAlgorithmNames,
         "the all-reduce algorithm settings: 'auto', then the table of allreduce_registry.h");
   auto topologyOf = [](int worldSize, bool oneHost, int hosts, const std::optional<pycomm::CostModel>& cost) {

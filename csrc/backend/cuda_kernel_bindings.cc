@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "backend/tensor_checks.h"
 #include "kernels/cpu/topk.h"
 #include "kernels/cuda/quantize.cuh"
 #include "kernels/cuda/reduce.cuh"
@@ -17,10 +18,6 @@
 namespace pycomm {
 namespace cudabind {
 namespace {
-
-[[noreturn]] void usage(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
-
-std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
 
 // The names the CPU bindings use in their messages (float32, not Float).
 std::string dtypeName(at::ScalarType dtype) {
@@ -34,13 +31,13 @@ std::string dtypeName(at::ScalarType dtype) {
 // A contiguous CUDA tensor of `dtype` on `device` (the first tensor's device when null).
 void checkCuda(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype,
                const at::Device* device = nullptr) {
-  if (!t.is_cuda()) usage(where(op) + name + " must be a CUDA tensor (got " + t.device().str() + ")");
+  if (!t.is_cuda()) usageError(where(op) + name + " must be a CUDA tensor (got " + t.device().str() + ")");
   if (device != nullptr && t.device() != *device)
-    usage(where(op) + name + " is on " + t.device().str() + ", expected " + device->str());
+    usageError(where(op) + name + " is on " + t.device().str() + ", expected " + device->str());
   if (t.scalar_type() != dtype)
-    C10_THROW_ERROR(TypeError, where(op) + name + " must be " + dtypeName(dtype) + " (got " +
-                                   dtypeName(t.scalar_type()) + ")");
-  if (!t.is_contiguous()) usage(where(op) + name + " must be contiguous");
+    typeError(where(op) + name + " must be " + dtypeName(dtype) + " (got " + dtypeName(t.scalar_type()) +
+              ")");
+  if (!t.is_contiguous()) usageError(where(op) + name + " must be contiguous");
 }
 
 cudaStream_t currentStream(const at::Tensor& t) {
@@ -52,7 +49,7 @@ at::Tensor outputOf(const char* op, const std::optional<at::Tensor>& out, int64_
   if (!out) return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
   const at::Tensor& t = *out;
   if (t.device() != device || t.scalar_type() != dtype || !t.is_contiguous() || t.numel() != numel)
-    usage(where(op) + "out must be a contiguous " + dtypeName(dtype) +
+    usageError(where(op) + "out must be a contiguous " + dtypeName(dtype) +
           " tensor of " + std::to_string(numel) + " elements on " + device.str());
   return t;
 }

@@ -39,17 +39,6 @@ auto translate(F&& f) -> decltype(f()) {
   }
 }
 
-void checkSeed(const char* op, int64_t seed) {
-  if (seed < 0) usageError(std::string("pycomm ") + op + ": seed must be >= 0");
-}
-
-size_t checkBlock(const char* op, int64_t block) {
-  if (block < 1)
-    usageError(std::string("pycomm ") + op + ": block must be >= 1 (got " +
-               std::to_string(block) + ")");
-  return static_cast<size_t>(block);
-}
-
 // The caller's output buffer when given (benchmarks reuse one; a fresh 64 MB
 // tensor costs more in page faults than the kernel), else a new one.
 at::Tensor outputOf(const char* op, const std::optional<at::Tensor>& out, int64_t numel,

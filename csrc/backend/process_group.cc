@@ -16,10 +16,6 @@
 #include "common/stats.h"
 #include "transport/bootstrap.h"
 
-#ifdef PYCOMM_WITH_CUDA
-#include "backend/cuda_staging.h"  // stagedBody (CUDA build only)
-#endif
-
 namespace pycomm {
 
 namespace {
@@ -210,6 +206,7 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
     try {
       comm_->begin(task.op, task.timeout);
       if (config_.checkCalls && comm_->size() > 1) checkSameCall(*comm_, task.signature);
+      if (task.beforeBody) task.beforeBody();
       task.body(*comm_);
     } catch (const Error& e) {
       std::string message = e.what();
@@ -251,7 +248,9 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpType type,
                                                            Tensors outputs, Body body,
                                                            std::chrono::milliseconds timeout,
-                                                           bool asyncOp, CallSignature signature) {
+                                                           const Launch& launch,
+                                                           CallSignature signature) {
+  const bool asyncOp = launch.asyncOp;
   uint64_t bytes = 0;
   for (const auto& t : outputs) bytes += heldBytes(t);
   const bool sparse = !outputs.empty() && outputs[0].defined() && outputs[0].is_sparse();
@@ -270,12 +269,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
          {"group_size", c10::IValue(static_cast<int64_t>(getSize()))},
          {"async_op", c10::IValue(asyncOp)}});
   }
-#ifdef PYCOMM_WITH_CUDA
-  // A call staged from CUDA tensors (cuda_staging.cc): the body first waits for
-  // the copies to host that the caller enqueued on its stream.
-  body = stagedBody(std::move(body));
-#endif
-  Task task{op, std::move(body), work, effectiveTimeout(timeout), signature, 0, bytes};
+  Task task{op, launch.beforeBody, std::move(body), work, effectiveTimeout(timeout), signature, 0, bytes};
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
     if (stopping_) usageError(where(op) + "the process group was shut down");
@@ -396,232 +390,257 @@ std::string ProcessGroupPycomm::lastAlgorithm() const {
 }
 
 // ---------------------------------------------------------------- collectives
+//
+// Each entry point declares its tensors by role once and runs its body through
+// runOnDevice (device_seam.h): CPU tensors as they are, a device with a seam (CUDA in
+// the CUDA build, PYCOMM_WITH_CUDA: cuda_staging.cc) on host copies. The body checks
+// the tensors it is given and enqueues with the Launch it is given.
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(Tensors& tensors,
                                                              const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = single("broadcast", tensors);
-  checkRank("broadcast", static_cast<int>(opts.rootRank), getSize(), "root rank");
-  const int root = static_cast<int>(opts.rootRank);
-  return enqueue("broadcast", OpType::BROADCAST, tensors,
-                 [t, root](Comm& c) {
-                   pycomm::broadcast(c, t.data_ptr(), t.nbytes(), root);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("broadcast", &t, -1, -1, root));
+  return runOnDevice("broadcast", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::inout(tensors)),
+                     [&](const Launch& launch, Tensors& tensors) {
+    const at::Tensor& t = single("broadcast", tensors);
+    checkRank("broadcast", static_cast<int>(opts.rootRank), getSize(), "root rank");
+    const int root = static_cast<int>(opts.rootRank);
+    return enqueue("broadcast", OpType::BROADCAST, tensors,
+                   [t, root](Comm& c) {
+                     pycomm::broadcast(c, t.data_ptr(), t.nbytes(), root);
+                   },
+                   opts.timeout, launch,
+                   signature("broadcast", &t, -1, -1, root));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
                                                              const c10d::AllreduceOptions& opts) {
-  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
-    return allreduceCoo(tensors, opts);  // process_group_sparse.cc
-  const at::Tensor& t = single("allreduce", tensors);
-  const DataType dtype = toDataType("allreduce", t.scalar_type());
-  const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);
-  const std::optional<double> premul = premulFactor(opts.reduceOp);
-  return enqueue("allreduce", OpType::ALLREDUCE, tensors,
-                 [this, t, dtype, op, premul](Comm& c) {
-                   if (premul) t.mul_(*premul);
-                   lastAlgorithm_ = &pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()),
-                                                       dtype, op, algorithm_.load());
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("allreduce", &t, -1, static_cast<int>(op)));
+  return runOnDevice("allreduce", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::inout(tensors)),
+                     [&](const Launch& launch, Tensors& tensors) {
+    if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse)
+      return allreduceCoo(tensors, opts, launch);  // process_group_sparse.cc
+    const at::Tensor& t = single("allreduce", tensors);
+    const DataType dtype = toDataType("allreduce", t.scalar_type());
+    const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);
+    const std::optional<double> premul = premulFactor(opts.reduceOp);
+    return enqueue("allreduce", OpType::ALLREDUCE, tensors,
+                   [this, t, dtype, op, premul](Comm& c) {
+                     if (premul) t.mul_(*premul);
+                     lastAlgorithm_ = &pycomm::allreduce(c, t.data_ptr(), static_cast<size_t>(t.numel()),
+                                                         dtype, op, algorithm_.load());
+                   },
+                   opts.timeout, launch,
+                   signature("allreduce", &t, -1, static_cast<int>(op)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (tensors.empty()) usageError(where("allreduce_coalesced") + "got no tensors");
-  const DataType dtype = checkTensor("allreduce_coalesced", tensors[0]);
-  for (size_t i = 0; i < tensors.size(); ++i)
-    checkLike("allreduce_coalesced", tensors[i], tensors[0], tensors[i].numel(),
-              "tensor " + std::to_string(i));
-  const ReduceOp op = toReduceOp("allreduce_coalesced", opts.reduceOp, dtype);
-  const std::optional<double> premul = premulFactor(opts.reduceOp);
-  return enqueue("allreduce_coalesced", OpType::ALLREDUCE_COALESCED, tensors,
-                 [this, tensors, dtype, op, premul](Comm& c) {
-                   Tensors flat;
-                   for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
-                   at::Tensor buffer = at::cat(flat);
-                   if (premul) buffer.mul_(*premul);
-                   pycomm::allreduce(c, buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
-                                     dtype, op, algorithm_.load());
-                   int64_t offset = 0;
-                   for (const auto& t : tensors) {
-                     t.view({-1}).copy_(buffer.narrow(0, offset, t.numel()));
-                     offset += t.numel();
-                   }
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("allreduce_coalesced", &tensors[0], totalNumel(tensors), static_cast<int>(op)));
+  return runOnDevice("allreduce_coalesced", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::inout(tensors)),
+                     [&](const Launch& launch, Tensors& tensors) {
+    if (tensors.empty()) usageError(where("allreduce_coalesced") + "got no tensors");
+    const DataType dtype = checkTensor("allreduce_coalesced", tensors[0]);
+    for (size_t i = 0; i < tensors.size(); ++i)
+      checkLike("allreduce_coalesced", tensors[i], tensors[0], tensors[i].numel(),
+                "tensor " + std::to_string(i));
+    const ReduceOp op = toReduceOp("allreduce_coalesced", opts.reduceOp, dtype);
+    const std::optional<double> premul = premulFactor(opts.reduceOp);
+    return enqueue("allreduce_coalesced", OpType::ALLREDUCE_COALESCED, tensors,
+                   [this, tensors, dtype, op, premul](Comm& c) {
+                     Tensors flat;
+                     for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+                     at::Tensor buffer = at::cat(flat);
+                     if (premul) buffer.mul_(*premul);
+                     pycomm::allreduce(c, buffer.data_ptr(), static_cast<size_t>(buffer.numel()),
+                                       dtype, op, algorithm_.load());
+                     int64_t offset = 0;
+                     for (const auto& t : tensors) {
+                       t.view({-1}).copy_(buffer.narrow(0, offset, t.numel()));
+                       offset += t.numel();
+                     }
+                   },
+                   opts.timeout, launch,
+                   signature("allreduce_coalesced", &tensors[0], totalNumel(tensors), static_cast<int>(op)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
                                                           const c10d::ReduceOptions& opts) {
-  const at::Tensor& t = single("reduce", tensors);
-  const DataType dtype = toDataType("reduce", t.scalar_type());
-  const ReduceOp op = toReduceOp("reduce", opts.reduceOp, dtype);
-  const std::optional<double> premul = premulFactor(opts.reduceOp);
-  checkRank("reduce", static_cast<int>(opts.rootRank), getSize(), "root rank");
-  const int root = static_cast<int>(opts.rootRank);
-  return enqueue("reduce", OpType::REDUCE, tensors,
-                 [t, dtype, op, root, premul](Comm& c) {
-                   // Only the root's tensor changes; other ranks reduce in a copy.
-                   at::Tensor acc = c.rank() == root ? t : t.clone();
-                   if (premul) acc.mul_(*premul);
-                   pycomm::reduce(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, op, root);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("reduce", &t, -1, static_cast<int>(op), root));
+  return runOnDevice("reduce", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::inout(tensors)),
+                     [&](const Launch& launch, Tensors& tensors) {
+    const at::Tensor& t = single("reduce", tensors);
+    const DataType dtype = toDataType("reduce", t.scalar_type());
+    const ReduceOp op = toReduceOp("reduce", opts.reduceOp, dtype);
+    const std::optional<double> premul = premulFactor(opts.reduceOp);
+    checkRank("reduce", static_cast<int>(opts.rootRank), getSize(), "root rank");
+    const int root = static_cast<int>(opts.rootRank);
+    return enqueue("reduce", OpType::REDUCE, tensors,
+                   [t, dtype, op, root, premul](Comm& c) {
+                     // Only the root's tensor changes; other ranks reduce in a copy.
+                     at::Tensor acc = c.rank() == root ? t : t.clone();
+                     if (premul) acc.mul_(*premul);
+                     pycomm::reduce(c, acc.data_ptr(), static_cast<size_t>(acc.numel()), dtype, op, root);
+                   },
+                   opts.timeout, launch,
+                   signature("reduce", &t, -1, static_cast<int>(op), root));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
     std::vector<Tensors>& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  const at::Tensor& input = single("allgather", inputs);
-  if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
-    usageError(where("allgather") + "expected one output list of " + std::to_string(getSize()) +
-          " tensors");
-  for (size_t i = 0; i < outputs[0].size(); ++i)
-    checkLike("allgather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
-  Tensors outs = outputs[0];
-  return enqueue("allgather", OpType::ALLGATHER, outs,
-                 [input, outs](Comm& c) {
-                   std::vector<char*> chunks;
-                   for (const auto& o : outs) chunks.push_back(ptr(o));
-                   if (input.nbytes() > 0 && chunks[c.rank()] != ptr(input))
-                     std::memcpy(chunks[c.rank()], ptr(input), input.nbytes());
-                   pycomm::allgather(c, chunks, std::vector<size_t>(outs.size(), input.nbytes()));
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("allgather", &input));
+  return runOnDevice("allgather", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, std::vector<Tensors>& outputs, Tensors& inputs) {
+    const at::Tensor& input = single("allgather", inputs);
+    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
+      usageError(where("allgather") + "expected one output list of " + std::to_string(getSize()) +
+            " tensors");
+    for (size_t i = 0; i < outputs[0].size(); ++i)
+      checkLike("allgather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
+    Tensors outs = outputs[0];
+    return enqueue("allgather", OpType::ALLGATHER, outs,
+                   [input, outs](Comm& c) {
+                     std::vector<char*> chunks;
+                     for (const auto& o : outs) chunks.push_back(ptr(o));
+                     if (input.nbytes() > 0 && chunks[c.rank()] != ptr(input))
+                       std::memcpy(chunks[c.rank()], ptr(input), input.nbytes());
+                     pycomm::allgather(c, chunks, std::vector<size_t>(outs.size(), input.nbytes()));
+                   },
+                   opts.timeout, launch,
+                   signature("allgather", &input));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  checkTensor("allgather_into_tensor", input);
-  checkLike("allgather_into_tensor", output, input, input.numel() * getSize(), "output tensor");
-  at::Tensor in = input, out = output;
-  return enqueue("allgather_into_tensor", OpType::_ALLGATHER_BASE, {output},
-                 [in, out](Comm& c) {
-                   const size_t bytes = in.nbytes();
-                   std::vector<char*> chunks;
-                   for (int i = 0; i < c.size(); ++i) chunks.push_back(ptr(out) + i * bytes);
-                   if (bytes > 0 && chunks[c.rank()] != ptr(in))
-                     std::memmove(chunks[c.rank()], ptr(in), bytes);
-                   pycomm::allgather(c, chunks, std::vector<size_t>(c.size(), bytes));
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("allgather_into_tensor", &input));
+  return runOnDevice("allgather_into_tensor", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(output), role::in(input)),
+                     [&](const Launch& launch, at::Tensor& output, at::Tensor& input) {
+    checkTensor("allgather_into_tensor", input);
+    checkLike("allgather_into_tensor", output, input, input.numel() * getSize(), "output tensor");
+    at::Tensor in = input, out = output;
+    return enqueue("allgather_into_tensor", OpType::_ALLGATHER_BASE, {output},
+                   [in, out](Comm& c) {
+                     const size_t bytes = in.nbytes();
+                     std::vector<char*> chunks;
+                     for (int i = 0; i < c.size(); ++i) chunks.push_back(ptr(out) + i * bytes);
+                     if (bytes > 0 && chunks[c.rank()] != ptr(in))
+                       std::memmove(chunks[c.rank()], ptr(in), bytes);
+                     pycomm::allgather(c, chunks, std::vector<size_t>(c.size(), bytes));
+                   },
+                   opts.timeout, launch,
+                   signature("allgather_into_tensor", &input));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     std::vector<Tensors>& outputLists, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  const char* op = "allgather_coalesced";
-  if (static_cast<int>(outputLists.size()) != getSize())
-    usageError(where(op) + "expected " + std::to_string(getSize()) + " output lists (one per rank)");
-  for (size_t i = 0; i < inputs.size(); ++i) checkTensor(op, inputs[i]);
-  for (size_t r = 0; r < outputLists.size(); ++r) {
-    if (outputLists[r].size() != inputs.size())
-      usageError(where(op) + "output list " + std::to_string(r) + " has " +
-            std::to_string(outputLists[r].size()) + " tensors, expected " +
-            std::to_string(inputs.size()));
-    for (size_t i = 0; i < inputs.size(); ++i)
-      checkLike(op, outputLists[r][i], inputs[i], inputs[i].numel(),
-                "output " + std::to_string(r) + "/" + std::to_string(i));
-  }
-  Tensors flatOutputs;
-  for (const auto& list : outputLists) flatOutputs.insert(flatOutputs.end(), list.begin(), list.end());
-  std::vector<Tensors> lists = outputLists;
-  Tensors ins = inputs;
-  return enqueue(op, OpType::ALLGATHER_COALESCED, flatOutputs,
-                 [lists, ins](Comm& c) {
-                   for (size_t i = 0; i < ins.size(); ++i) {
-                     std::vector<char*> chunks;
-                     for (const auto& list : lists) chunks.push_back(ptr(list[i]));
-                     const size_t bytes = ins[i].nbytes();
-                     if (bytes > 0) std::memcpy(chunks[c.rank()], ptr(ins[i]), bytes);
-                     pycomm::allgather(c, chunks, std::vector<size_t>(lists.size(), bytes));
-                   }
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature(op, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs)));
+  return runOnDevice("allgather_coalesced", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputLists), role::in(inputs)),
+                     [&](const Launch& launch, std::vector<Tensors>& outputLists, Tensors& inputs) {
+    const char* op = "allgather_coalesced";
+    if (static_cast<int>(outputLists.size()) != getSize())
+      usageError(where(op) + "expected " + std::to_string(getSize()) + " output lists (one per rank)");
+    for (size_t i = 0; i < inputs.size(); ++i) checkTensor(op, inputs[i]);
+    for (size_t r = 0; r < outputLists.size(); ++r) {
+      if (outputLists[r].size() != inputs.size())
+        usageError(where(op) + "output list " + std::to_string(r) + " has " +
+              std::to_string(outputLists[r].size()) + " tensors, expected " +
+              std::to_string(inputs.size()));
+      for (size_t i = 0; i < inputs.size(); ++i)
+        checkLike(op, outputLists[r][i], inputs[i], inputs[i].numel(),
+                  "output " + std::to_string(r) + "/" + std::to_string(i));
+    }
+    Tensors flatOutputs;
+    for (const auto& list : outputLists) flatOutputs.insert(flatOutputs.end(), list.begin(), list.end());
+    std::vector<Tensors> lists = outputLists;
+    Tensors ins = inputs;
+    return enqueue(op, OpType::ALLGATHER_COALESCED, flatOutputs,
+                   [lists, ins](Comm& c) {
+                     for (size_t i = 0; i < ins.size(); ++i) {
+                       std::vector<char*> chunks;
+                       for (const auto& list : lists) chunks.push_back(ptr(list[i]));
+                       const size_t bytes = ins[i].nbytes();
+                       if (bytes > 0) std::memcpy(chunks[c.rank()], ptr(ins[i]), bytes);
+                       pycomm::allgather(c, chunks, std::vector<size_t>(lists.size(), bytes));
+                     }
+                   },
+                   opts.timeout, launch,
+                   signature(op, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesced(
     Tensors& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  const char* op = "allgather_into_tensor_coalesced";
-  if (outputs.size() != inputs.size())
-    usageError(where(op) + "expected as many outputs as inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkTensor(op, inputs[i]);
-    checkLike(op, outputs[i], inputs[i], inputs[i].numel() * getSize(), "output " + std::to_string(i));
-  }
-  Tensors ins = inputs, outs = outputs;
-  return enqueue(op, OpType::COALESCED, outs,
-                 [ins, outs](Comm& c) {
-                   for (size_t i = 0; i < ins.size(); ++i) {
-                     const size_t bytes = ins[i].nbytes();
-                     std::vector<char*> chunks;
-                     for (int r = 0; r < c.size(); ++r) chunks.push_back(ptr(outs[i]) + r * bytes);
-                     if (bytes > 0) std::memmove(chunks[c.rank()], ptr(ins[i]), bytes);
-                     pycomm::allgather(c, chunks, std::vector<size_t>(c.size(), bytes));
-                   }
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature(op, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs)));
+  return runOnDevice("allgather_into_tensor_coalesced", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, Tensors& outputs, Tensors& inputs) {
+    const char* op = "allgather_into_tensor_coalesced";
+    if (outputs.size() != inputs.size())
+      usageError(where(op) + "expected as many outputs as inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkTensor(op, inputs[i]);
+      checkLike(op, outputs[i], inputs[i], inputs[i].numel() * getSize(), "output " + std::to_string(i));
+    }
+    Tensors ins = inputs, outs = outputs;
+    return enqueue(op, OpType::COALESCED, outs,
+                   [ins, outs](Comm& c) {
+                     for (size_t i = 0; i < ins.size(); ++i) {
+                       const size_t bytes = ins[i].nbytes();
+                       std::vector<char*> chunks;
+                       for (int r = 0; r < c.size(); ++r) chunks.push_back(ptr(outs[i]) + r * bytes);
+                       if (bytes > 0) std::memmove(chunks[c.rank()], ptr(ins[i]), bytes);
+                       pycomm::allgather(c, chunks, std::vector<size_t>(c.size(), bytes));
+                     }
+                   },
+                   opts.timeout, launch,
+                   signature(op, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& outputs,
                                                           Tensors& inputs,
                                                           const c10d::GatherOptions& opts) {
-  const at::Tensor& input = single("gather", inputs);
-  checkRank("gather", static_cast<int>(opts.rootRank), getSize(), "root rank");
-  const int root = static_cast<int>(opts.rootRank);
-  Tensors outs;
-  if (getRank() == root) {
-    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
-      usageError(where("gather") + "the root needs one output list of " + std::to_string(getSize()) +
-            " tensors");
-    for (size_t i = 0; i < outputs[0].size(); ++i)
-      checkLike("gather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
-    outs = outputs[0];
-  } else if (!outputs.empty() && !outputs[0].empty()) {
-    usageError(where("gather") + "only the root rank may pass output tensors");
-  }
-  return enqueue("gather", OpType::GATHER, outs,
-                 [input, outs, root](Comm& c) {
-                   std::vector<char*> chunks;
-                   for (const auto& o : outs) chunks.push_back(ptr(o));
-                   pycomm::gather(c, input.data_ptr(), input.nbytes(), chunks, root);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("gather", &input, -1, -1, root));
+  return runOnDevice("gather", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, std::vector<Tensors>& outputs, Tensors& inputs) {
+    const at::Tensor& input = single("gather", inputs);
+    checkRank("gather", static_cast<int>(opts.rootRank), getSize(), "root rank");
+    const int root = static_cast<int>(opts.rootRank);
+    Tensors outs = checkRootList("gather", outputs, input, getRank() == root, getSize(), "output");
+    return enqueue("gather", OpType::GATHER, outs,
+                   [input, outs, root](Comm& c) {
+                     std::vector<char*> chunks;
+                     for (const auto& o : outs) chunks.push_back(ptr(o));
+                     pycomm::gather(c, input.data_ptr(), input.nbytes(), chunks, root);
+                   },
+                   opts.timeout, launch,
+                   signature("gather", &input, -1, -1, root));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
                                                            std::vector<Tensors>& inputs,
                                                            const c10d::ScatterOptions& opts) {
-  const at::Tensor& output = single("scatter", outputs);
-  checkRank("scatter", static_cast<int>(opts.rootRank), getSize(), "root rank");
-  const int root = static_cast<int>(opts.rootRank);
-  Tensors ins;
-  if (getRank() == root) {
-    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
-      usageError(where("scatter") + "the root needs one input list of " + std::to_string(getSize()) +
-            " tensors");
-    for (size_t i = 0; i < inputs[0].size(); ++i)
-      checkLike("scatter", inputs[0][i], output, output.numel(), "input tensor " + std::to_string(i));
-    ins = inputs[0];
-  } else if (!inputs.empty() && !inputs[0].empty()) {
-    usageError(where("scatter") + "only the root rank may pass input tensors");
-  }
-  return enqueue("scatter", OpType::SCATTER, outputs,
-                 [output, ins, root](Comm& c) {
-                   std::vector<const char*> chunks;
-                   for (const auto& i : ins) chunks.push_back(ptr(i));
-                   pycomm::scatter(c, chunks, output.data_ptr(), output.nbytes(), root);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("scatter", &output, -1, -1, root));
+  return runOnDevice("scatter", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, Tensors& outputs, std::vector<Tensors>& inputs) {
+    const at::Tensor& output = single("scatter", outputs);
+    checkRank("scatter", static_cast<int>(opts.rootRank), getSize(), "root rank");
+    const int root = static_cast<int>(opts.rootRank);
+    Tensors ins = checkRootList("scatter", inputs, output, getRank() == root, getSize(), "input");
+    return enqueue("scatter", OpType::SCATTER, outputs,
+                   [output, ins, root](Comm& c) {
+                     std::vector<const char*> chunks;
+                     for (const auto& i : ins) chunks.push_back(ptr(i));
+                     pycomm::scatter(c, chunks, output.data_ptr(), output.nbytes(), root);
+                   },
+                   opts.timeout, launch,
+                   signature("scatter", &output, -1, -1, root));
+  });
 }
 
 namespace {
@@ -659,141 +678,162 @@ Tensors equalParts(const at::Tensor& t, int parts, int64_t numel) {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
     Tensors& outputs, std::vector<Tensors>& inputs, const c10d::ReduceScatterOptions& opts) {
-  const at::Tensor& output = single("reduce_scatter", outputs);
-  const DataType dtype = toDataType("reduce_scatter", output.scalar_type());
-  const ReduceOp op = toReduceOp("reduce_scatter", opts.reduceOp, dtype);
-  const std::optional<double> premul = premulFactor(opts.reduceOp);
-  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
-    usageError(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
-          " tensors");
-  for (size_t i = 0; i < inputs[0].size(); ++i)
-    checkLike("reduce_scatter", inputs[0][i], output, output.numel(),
-              "input tensor " + std::to_string(i));
-  Tensors ins = inputs[0];
-  return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
-                 [ins, output, dtype, op, premul](Comm& c) {
-                   reduceScatterInto(c, ins, output, dtype, op, premul);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("reduce_scatter", &output, -1, static_cast<int>(op)));
+  return runOnDevice("reduce_scatter", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, Tensors& outputs, std::vector<Tensors>& inputs) {
+    const at::Tensor& output = single("reduce_scatter", outputs);
+    const DataType dtype = toDataType("reduce_scatter", output.scalar_type());
+    const ReduceOp op = toReduceOp("reduce_scatter", opts.reduceOp, dtype);
+    const std::optional<double> premul = premulFactor(opts.reduceOp);
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
+      usageError(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
+            " tensors");
+    for (size_t i = 0; i < inputs[0].size(); ++i)
+      checkLike("reduce_scatter", inputs[0][i], output, output.numel(),
+                "input tensor " + std::to_string(i));
+    Tensors ins = inputs[0];
+    return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
+                   [ins, output, dtype, op, premul](Comm& c) {
+                     reduceScatterInto(c, ins, output, dtype, op, premul);
+                   },
+                   opts.timeout, launch,
+                   signature("reduce_scatter", &output, -1, static_cast<int>(op)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  const char* name = "reduce_scatter_tensor";
-  const DataType dtype = checkTensor(name, output);
-  const ReduceOp op = toReduceOp(name, opts.reduceOp, dtype);
-  const std::optional<double> premul = premulFactor(opts.reduceOp);
-  checkLike(name, input, output, output.numel() * getSize(), "input tensor");
-  at::Tensor in = input, out = output;
-  return enqueue(name, OpType::_REDUCE_SCATTER_BASE, {output},
-                 [in, out, dtype, op, premul](Comm& c) {
-                   reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op, premul);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature(name, &output, -1, static_cast<int>(op)));
+  return runOnDevice("reduce_scatter_tensor", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(output), role::in(input)),
+                     [&](const Launch& launch, at::Tensor& output, at::Tensor& input) {
+    const char* name = "reduce_scatter_tensor";
+    const DataType dtype = checkTensor(name, output);
+    const ReduceOp op = toReduceOp(name, opts.reduceOp, dtype);
+    const std::optional<double> premul = premulFactor(opts.reduceOp);
+    checkLike(name, input, output, output.numel() * getSize(), "input tensor");
+    at::Tensor in = input, out = output;
+    return enqueue(name, OpType::_REDUCE_SCATTER_BASE, {output},
+                   [in, out, dtype, op, premul](Comm& c) {
+                     reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op, premul);
+                   },
+                   opts.timeout, launch,
+                   signature(name, &output, -1, static_cast<int>(op)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesced(
     Tensors& outputs, Tensors& inputs, const c10d::ReduceScatterOptions& opts) {
-  const char* name = "reduce_scatter_tensor_coalesced";
-  if (outputs.size() != inputs.size()) usageError(where(name) + "expected as many outputs as inputs");
-  std::vector<std::pair<DataType, ReduceOp>> kinds;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    const DataType dtype = checkTensor(name, outputs[i]);
-    kinds.push_back({dtype, toReduceOp(name, opts.reduceOp, dtype)});
-    checkLike(name, inputs[i], outputs[i], outputs[i].numel() * getSize(), "input " + std::to_string(i));
-  }
-  const std::optional<double> premul = premulFactor(opts.reduceOp);
-  Tensors ins = inputs, outs = outputs;
-  // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED exists only from torch 2.12 on,
-  // and the extension must also build against torch 2.11 (the GPU machine's).
-  return enqueue(name, OpType::COALESCED, outs,
-                 [ins, outs, kinds, premul](Comm& c) {
-                   for (size_t i = 0; i < ins.size(); ++i)
-                     reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
-                                       kinds[i].first, kinds[i].second, premul);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature(name, outputs.empty() ? nullptr : &outputs[0], totalNumel(outputs)));
+  return runOnDevice("reduce_scatter_tensor_coalesced", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, Tensors& outputs, Tensors& inputs) {
+    const char* name = "reduce_scatter_tensor_coalesced";
+    if (outputs.size() != inputs.size()) usageError(where(name) + "expected as many outputs as inputs");
+    std::vector<std::pair<DataType, ReduceOp>> kinds;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const DataType dtype = checkTensor(name, outputs[i]);
+      kinds.push_back({dtype, toReduceOp(name, opts.reduceOp, dtype)});
+      checkLike(name, inputs[i], outputs[i], outputs[i].numel() * getSize(), "input " + std::to_string(i));
+    }
+    const std::optional<double> premul = premulFactor(opts.reduceOp);
+    Tensors ins = inputs, outs = outputs;
+    // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED exists only from torch 2.12 on,
+    // and the extension must also build against torch 2.11 (the GPU machine's).
+    return enqueue(name, OpType::COALESCED, outs,
+                   [ins, outs, kinds, premul](Comm& c) {
+                     for (size_t i = 0; i < ins.size(); ++i)
+                       reduceScatterInto(c, equalParts(ins[i], c.size(), outs[i].numel()), outs[i],
+                                         kinds[i].first, kinds[i].second, premul);
+                   },
+                   opts.timeout, launch,
+                   signature(name, outputs.empty() ? nullptr : &outputs[0], totalNumel(outputs)));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
     std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) {
-  const char* name = "alltoall_base";
-  checkTensor(name, input);
-  checkTensor(name, output);
-  if (input.scalar_type() != output.scalar_type())
-    usageError(where(name) + "input and output dtypes differ");
-  const int n = getSize();
-  // The arithmetic (negative splits, sums past the rows or past int64, byte counts
-  // past size_t) is checked torch-free in algorithms/alltoall_splits.cc.
-  auto plan = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
-    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    const size_t rowBytes = rows == 0 ? 0 : t.nbytes() / static_cast<size_t>(rows);
-    AlltoallLayout layout;
-    const std::string error = checkAlltoallSplits(splits, n, rows, rowBytes, what, &layout);
-    if (!error.empty()) usageError(where(name) + error);
-    return std::make_pair(std::move(layout.offsets), std::move(layout.bytes));
-  };
-  auto [sendOffsets, sendBytes] = plan(input, inputSplits, "input");
-  auto [recvOffsets, recvBytes] = plan(output, outputSplits, "output");
-  if (sendBytes[getRank()] != recvBytes[getRank()])
-    usageError(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
-          " bytes but expects " + std::to_string(recvBytes[getRank()]));
-  at::Tensor in = input, out = output;
-  return enqueue("alltoall", OpType::ALLTOALL_BASE, {output},
-                 [in, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
-                  recvOffsets = recvOffsets, recvBytes = recvBytes](Comm& c) {
-                   std::vector<const char*> sends;
-                   std::vector<char*> recvs;
-                   for (int i = 0; i < c.size(); ++i) {
-                     sends.push_back(ptr(in) + sendOffsets[i]);
-                     recvs.push_back(ptr(out) + recvOffsets[i]);
-                   }
-                   pycomm::alltoall(c, sends, sendBytes, recvs, recvBytes);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature("alltoall", &input, -2));
+  return runOnDevice("alltoall", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(output), role::in(input)),
+                     [&](const Launch& launch, at::Tensor& output, at::Tensor& input) {
+    const char* name = "alltoall_base";
+    checkTensor(name, input);
+    checkTensor(name, output);
+    if (input.scalar_type() != output.scalar_type())
+      usageError(where(name) + "input and output dtypes differ");
+    const int n = getSize();
+    // The arithmetic (negative splits, sums past the rows or past int64, byte counts
+    // past size_t) is checked torch-free in algorithms/alltoall_splits.cc.
+    auto plan = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+      const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+      const size_t rowBytes = rows == 0 ? 0 : t.nbytes() / static_cast<size_t>(rows);
+      AlltoallLayout layout;
+      const std::string error = checkAlltoallSplits(splits, n, rows, rowBytes, what, &layout);
+      if (!error.empty()) usageError(where(name) + error);
+      return std::make_pair(std::move(layout.offsets), std::move(layout.bytes));
+    };
+    auto [sendOffsets, sendBytes] = plan(input, inputSplits, "input");
+    auto [recvOffsets, recvBytes] = plan(output, outputSplits, "output");
+    if (sendBytes[getRank()] != recvBytes[getRank()])
+      usageError(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
+            " bytes but expects " + std::to_string(recvBytes[getRank()]));
+    at::Tensor in = input, out = output;
+    return enqueue("alltoall", OpType::ALLTOALL_BASE, {output},
+                   [in, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
+                    recvOffsets = recvOffsets, recvBytes = recvBytes](Comm& c) {
+                     std::vector<const char*> sends;
+                     std::vector<char*> recvs;
+                     for (int i = 0; i < c.size(); ++i) {
+                       sends.push_back(ptr(in) + sendOffsets[i]);
+                       recvs.push_back(ptr(out) + recvOffsets[i]);
+                     }
+                     pycomm::alltoall(c, sends, sendBytes, recvs, recvBytes);
+                   },
+                   opts.timeout, launch,
+                   signature("alltoall", &input, -2));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Tensors& inputs,
                                                             const c10d::AllToAllOptions& opts) {
-  const char* name = "alltoall";
-  const int n = getSize();
-  if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n)
-    usageError(where(name) + "expected " + std::to_string(n) + " input and output tensors");
-  for (int i = 0; i < n; ++i) {
-    checkTensor(name, inputs[i]);
-    checkTensor(name, outputs[i]);
-    if (inputs[i].scalar_type() != outputs[0].scalar_type() ||
-        outputs[i].scalar_type() != outputs[0].scalar_type())
-      usageError(where(name) + "all tensors must have one dtype");
-  }
-  if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
-    usageError(where(name) + "the tensor this rank sends itself differs in size from its output slot");
-  Tensors ins = inputs, outs = outputs;
-  return enqueue(name, OpType::ALLTOALL, outs,
-                 [ins, outs](Comm& c) {
-                   std::vector<const char*> sends;
-                   std::vector<char*> recvs;
-                   std::vector<size_t> sendBytes, recvBytes;
-                   for (int i = 0; i < c.size(); ++i) {
-                     sends.push_back(ptr(ins[i]));
-                     sendBytes.push_back(ins[i].nbytes());
-                     recvs.push_back(ptr(outs[i]));
-                     recvBytes.push_back(outs[i].nbytes());
-                   }
-                   pycomm::alltoall(c, sends, sendBytes, recvs, recvBytes);
-                 },
-                 opts.timeout, opts.asyncOp,
-                 signature(name, &inputs[0], -2));
+  return runOnDevice("alltoall", getRank(), Dispatch::kQueued, opts.asyncOp,
+                     declare(role::out(outputs), role::in(inputs)),
+                     [&](const Launch& launch, Tensors& outputs, Tensors& inputs) {
+    const char* name = "alltoall";
+    const int n = getSize();
+    if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n)
+      usageError(where(name) + "expected " + std::to_string(n) + " input and output tensors");
+    for (int i = 0; i < n; ++i) {
+      checkTensor(name, inputs[i]);
+      checkTensor(name, outputs[i]);
+      if (inputs[i].scalar_type() != outputs[0].scalar_type() ||
+          outputs[i].scalar_type() != outputs[0].scalar_type())
+        usageError(where(name) + "all tensors must have one dtype");
+    }
+    if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
+      usageError(where(name) + "the tensor this rank sends itself differs in size from its output slot");
+    Tensors ins = inputs, outs = outputs;
+    return enqueue(name, OpType::ALLTOALL, outs,
+                   [ins, outs](Comm& c) {
+                     std::vector<const char*> sends;
+                     std::vector<char*> recvs;
+                     std::vector<size_t> sendBytes, recvBytes;
+                     for (int i = 0; i < c.size(); ++i) {
+                       sends.push_back(ptr(ins[i]));
+                       sendBytes.push_back(ins[i].nbytes());
+                       recvs.push_back(ptr(outs[i]));
+                       recvBytes.push_back(outs[i].nbytes());
+                     }
+                     pycomm::alltoall(c, sends, sendBytes, recvs, recvBytes);
+                   },
+                   opts.timeout, launch,
+                   signature(name, &inputs[0], -2));
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
+  // No tensors: nothing for a device seam to stage.
   return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { pycomm::barrier(c); },
-                 opts.timeout, opts.asyncOp,
+                 opts.timeout, Launch{opts.asyncOp, {}},
                  signature("barrier"));
 }
 
@@ -802,25 +842,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOp
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::pointToPoint(const char* op, OpType type,
                                                                 Tensors& tensors, int peer, int tag,
                                                                 bool isSend) {
-  const at::Tensor& t = single(op, tensors);
-  if (peer != kAnySource) {
-    checkRank(op, peer, getSize(), isSend ? "destination rank" : "source rank");
-    if (peer == getRank()) usageError(where(op) + "a rank cannot " + op + " to itself");
-  }
-  if (tag < 0) usageError(where(op) + "tags must be non-negative");
-  auto work = c10::make_intrusive<PointToPointWork>(getRank(), type, op, tensors, group_,
-                                                    config_.timeout, peer);
-  const std::string earlier = group_->failure();
-  if (!earlier.empty()) {
-    work->markDone(makeBackendError(where(op) + "the process group is unusable after an earlier failure (" +
-                                    earlier + ")"));
+  // Straight to the transport (Dispatch::kDirect); point-to-point is always asynchronous.
+  return runOnDevice(op, getRank(), Dispatch::kDirect, /*asyncOp=*/true,
+                     declare(Declared<Tensors>{isSend ? Role::kIn : Role::kOut, tensors}),
+                     [&](const Launch&, Tensors& tensors) {
+    const at::Tensor& t = single(op, tensors);
+    if (peer != kAnySource) {
+      checkRank(op, peer, getSize(), isSend ? "destination rank" : "source rank");
+      if (peer == getRank()) usageError(where(op) + "a rank cannot " + op + " to itself");
+    }
+    if (tag < 0) usageError(where(op) + "tags must be non-negative");
+    auto work = c10::make_intrusive<PointToPointWork>(getRank(), type, op, tensors, group_,
+                                                      config_.timeout, peer);
+    const std::string earlier = group_->failure();
+    if (!earlier.empty()) {
+      work->markDone(makeBackendError(where(op) + "the process group is unusable after an earlier failure (" +
+                                      earlier + ")"));
+      return work;
+    }
+    Transport& transport = group_->transport();
+    RequestPtr request = isSend ? transport.isend(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes())
+                                : transport.irecv(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes());
+    work->attach(request);
     return work;
-  }
-  Transport& transport = group_->transport();
-  RequestPtr request = isSend ? transport.isend(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes())
-                              : transport.irecv(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes());
-  work->attach(request);
-  return work;
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::send(Tensors& tensors, int dstRank, int tag) {

@@ -1,5 +1,7 @@
 // ProcessGroupPycomm: the c10d::Backend that torch.distributed talks to.
 //
+// Every c10d entry point declares its tensors by role and runs through the device
+// seam (device_seam.h): CPU tensors as they are, another device's through its seam.
 // Collectives are validated at the call (usage errors raise there, naming the
 // op), then run in submission order on one worker thread per group, so
 // async_op=True overlaps with the caller's compute. Point-to-point operations
@@ -22,6 +24,7 @@
 
 #include "algorithms/collectives.h"
 #include "backend/completion_pool.h"
+#include "backend/device_seam.h"
 #include "backend/flight_recorder.h"
 #include "backend/work.h"
 #include "common/group_config.h"
@@ -145,13 +148,15 @@ class ProcessGroupPycomm : public c10d::Backend {
   // dist.all_reduce of a sparse COO tensor (process_group_sparse.cc): the tensor
   // becomes the coalesced sum (or mean) over ranks, in place, as on gloo.
   c10::intrusive_ptr<c10d::Work> allreduceCoo(std::vector<at::Tensor>& tensors,
-                                              const c10d::AllreduceOptions& opts);
+                                              const c10d::AllreduceOptions& opts,
+                                              const Launch& launch);
 
   using Body = std::function<void(Comm&)>;
-  // Queues `body` for the worker; the returned work completes with `outputs`.
+  // Queues `body` for the worker (`launch.beforeBody` first), or runs it inline for a
+  // blocking call with nothing queued; the returned work completes with `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         std::chrono::milliseconds timeout, bool asyncOp,
+                                         std::chrono::milliseconds timeout, const Launch& launch,
                                          CallSignature signature);
   // Compares this call's signature with every rank's; throws naming the ranks that differ.
   void checkSameCall(Comm& comm, const CallSignature& mine);
@@ -165,6 +170,7 @@ class ProcessGroupPycomm : public c10d::Backend {
 
   struct Task {
     std::string op;
+    std::function<void()> beforeBody;  // a device seam's step (empty: none)
     Body body;
     c10::intrusive_ptr<PycommWork> work;
     std::chrono::milliseconds timeout;

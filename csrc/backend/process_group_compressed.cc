@@ -19,11 +19,10 @@ void checkResidual(const char* op, const at::Tensor& residual, const at::Tensor&
   if (!residual.defined()) return;
   checkNamed(op, "residual", residual, at::kFloat);
   if (residual.numel() != like.numel())
-    usageError(std::string("pycomm ") + op + ": residual has " +
-                    std::to_string(residual.numel()) + " elements, expected " +
-                    std::to_string(like.numel()));
+    usageError(where(op) + "residual has " + std::to_string(residual.numel()) +
+               " elements, expected " + std::to_string(like.numel()));
   if (residual.is_same(like) || residual.data_ptr() == like.data_ptr())
-    usageError(std::string("pycomm ") + op + ": residual must not share memory with the data");
+    usageError(where(op) + "residual must not share memory with the data");
 }
 
 CallSignature compressedSignature(const char* op, int64_t count, int32_t detail) {
@@ -41,13 +40,13 @@ std::vector<size_t> checkSegments(const char* op, const std::vector<int64_t>& se
   std::vector<size_t> lengths;
   int64_t total = 0;
   for (int64_t s : segments) {
-    if (s < 0) usageError(std::string("pycomm ") + op + ": segment lengths must be >= 0");
+    if (s < 0) usageError(where(op) + "segment lengths must be >= 0");
     total += s;
     lengths.push_back(static_cast<size_t>(s));
   }
   if (!segments.empty() && total != count)
-    usageError(std::string("pycomm ") + op + ": segments sum to " + std::to_string(total) +
-                    " elements but the tensor has " + std::to_string(count));
+    usageError(where(op) + "segments sum to " + std::to_string(total) +
+               " elements but the tensor has " + std::to_string(count));
   return lengths;
 }
 
@@ -61,15 +60,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
   checkResidual(op, residual, tensor);
   std::vector<size_t> lengths = checkSegments(op, segments, tensor.numel());
   if (!keys.empty() && keys.size() != std::max<size_t>(segments.size(), 1))
-    usageError(std::string("pycomm ") + op + ": " + std::to_string(keys.size()) +
-                    " keys for " + std::to_string(segments.size()) + " segments");
+    usageError(where(op) + std::to_string(keys.size()) + " keys for " +
+               std::to_string(segments.size()) + " segments");
   std::vector<uint64_t> segmentKeys(keys.begin(), keys.end());
-  if (block < 1)
-    usageError(std::string("pycomm ") + op + ": block must be >= 1 (got " + std::to_string(block) + ")");
-  if (seed < 0) usageError(std::string("pycomm ") + op + ": seed must be >= 0");
   QuantizeOptions opts;
   opts.bits = bits;
-  opts.block = static_cast<size_t>(block);
+  opts.block = checkBlock(op, block);
+  checkSeed(op, seed);
   opts.stochastic = stochastic;
   opts.seed = static_cast<uint64_t>(seed);
   try {
@@ -83,7 +80,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
                    allreduceQuantized(c, tensor.data_ptr<float>(), static_cast<size_t>(tensor.numel()),
                                       lengths, segmentKeys, opts, dataOrNull(residual));
                  },
-                 c10d::kUnsetTimeout, asyncOp,
+                 c10d::kUnsetTimeout, Launch{asyncOp, {}},
                  compressedSignature(op, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)));
 }
 
@@ -91,25 +88,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
     at::Tensor indices, at::Tensor values, at::Tensor out, at::Tensor residual,
     std::vector<int64_t> segments, const std::string& valueType, double keepDensity, bool asyncOp) {
   const char* op = "allreduce_sparse";
-  const std::string where = std::string("pycomm ") + op + ": ";
   checkNamed(op, "values", values, at::kFloat);
   checkNamed(op, "out", out, at::kFloat);
   checkResidual(op, residual, out);
   if (!indices.defined() || !indices.device().is_cpu() || indices.scalar_type() != at::kLong ||
       !indices.is_contiguous())
-    usageError(where + "indices must be a contiguous CPU int64 tensor");
+    usageError(where(op) + "indices must be a contiguous CPU int64 tensor");
   if (indices.numel() != values.numel())
-    usageError(where + "indices and values differ in length (" + std::to_string(indices.numel()) +
+    usageError(where(op) + "indices and values differ in length (" + std::to_string(indices.numel()) +
                     " and " + std::to_string(values.numel()) + ")");
   if (out.data_ptr() == values.data_ptr() && out.numel() > 0)
-    usageError(where + "out must not share memory with values");
+    usageError(where(op) + "out must not share memory with values");
   SparseAllreduceOptions opts;
   if (valueType == "float32") opts.valueType = DataType::kFloat32;
   else if (valueType == "float16") opts.valueType = DataType::kFloat16;
   else if (valueType == "bfloat16") opts.valueType = DataType::kBFloat16;
-  else usageError(where + "value_dtype must be float32, float16 or bfloat16 (got " + valueType + ")");
+  else usageError(where(op) + "value_dtype must be float32, float16 or bfloat16 (got " + valueType + ")");
   if (!(keepDensity >= 0.0 && keepDensity <= 1.0))
-    usageError(where + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
+    usageError(where(op) + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
   opts.keepDensity = keepDensity;
   std::vector<size_t> lengths = checkSegments(op, segments, out.numel());
   try {
@@ -126,7 +122,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
                                    static_cast<size_t>(out.numel()), lengths, out.data_ptr<float>(),
                                    dataOrNull(residual), opts);
                  },
-                 c10d::kUnsetTimeout, asyncOp,
+                 c10d::kUnsetTimeout, Launch{asyncOp, {}},
                  compressedSignature(op, out.numel(), static_cast<int32_t>(opts.valueType)));
 }
 

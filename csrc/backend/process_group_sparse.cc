@@ -16,7 +16,8 @@
 namespace pycomm {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::Tensor>& tensors,
-                                                                const c10d::AllreduceOptions& opts) {
+                                                                const c10d::AllreduceOptions& opts,
+                                                                const Launch& launch) {
   const char* name = "allreduce";
   const at::Tensor& t = tensors[0];
   if (!t.device().is_cpu())
@@ -95,7 +96,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
                    at::sparse::get_sparse_impl(tensor)->set_indices_and_values_unsafe(outIndices, outValues);
                    at::sparse::get_sparse_impl(tensor)->set_coalesced(true);
                  },
-                 opts.timeout, opts.asyncOp, sig);
+                 opts.timeout, launch, sig);
 }
 
 }  // namespace pycomm

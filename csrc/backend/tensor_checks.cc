@@ -30,14 +30,22 @@ DataType toDataType(const char* op, at::ScalarType type) {
   }
 }
 
-DataType checkTensor(const char* op, const at::Tensor& t) {
-  if (!t.defined()) usageError(where(op) + "got an undefined tensor");
+void checkStrided(const char* op, const at::Tensor& t) {
   if (t.layout() != at::kStrided)
     usageError(where(op) + "sparse tensors are not supported (call .to_dense() first)");
+}
+
+void checkContiguous(const char* op, const at::Tensor& t) {
+  if (!t.is_contiguous()) usageError(where(op) + "tensors must be contiguous (call .contiguous() first)");
+}
+
+DataType checkTensor(const char* op, const at::Tensor& t) {
+  if (!t.defined()) usageError(where(op) + "got an undefined tensor");
+  checkStrided(op, t);
   if (!t.device().is_cpu())
     usageError(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
                " (pycomm is registered for cpu)");
-  if (!t.is_contiguous()) usageError(where(op) + "tensors must be contiguous (call .contiguous() first)");
+  checkContiguous(op, t);
   return toDataType(op, t.scalar_type());
 }
 
@@ -57,6 +65,21 @@ void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int6
   if (t.numel() != numel)
     usageError(where(op) + what + " has " + std::to_string(t.numel()) + " elements, expected " +
                std::to_string(numel));
+}
+
+std::vector<at::Tensor> checkRootList(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+                                      const at::Tensor& like, bool isRoot, int size,
+                                      const std::string& what) {
+  if (!isRoot) {
+    if (!lists.empty() && !lists[0].empty())
+      usageError(where(op) + "only the root rank may pass " + what + " tensors");
+    return {};
+  }
+  if (lists.size() != 1 || static_cast<int>(lists[0].size()) != size)
+    usageError(where(op) + "the root needs one " + what + " list of " + std::to_string(size) + " tensors");
+  for (size_t i = 0; i < lists[0].size(); ++i)
+    checkLike(op, lists[0][i], like, like.numel(), what + " tensor " + std::to_string(i));
+  return lists[0];
 }
 
 void checkNamed(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
@@ -109,6 +132,15 @@ void checkRank(const char* op, int rank, int size, const char* what) {
   if (rank < 0 || rank >= size)
     usageError(where(op) + what + " " + std::to_string(rank) + " is outside the group (size " +
                std::to_string(size) + ")");
+}
+
+void checkSeed(const char* op, int64_t seed) {
+  if (seed < 0) usageError(where(op) + "seed must be >= 0");
+}
+
+size_t checkBlock(const char* op, int64_t block) {
+  if (block < 1) usageError(where(op) + "block must be >= 1 (got " + std::to_string(block) + ")");
+  return static_cast<size_t>(block);
 }
 
 }  // namespace pycomm

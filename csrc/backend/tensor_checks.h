@@ -1,7 +1,8 @@
 // Usage checks on torch arguments, shared by every entry point of the backend
-// layer: the process group's collectives, its compressed collectives and the
-// kernel bindings. They raise at the call, naming the op ("pycomm <op>: ..."):
-// torch's ValueError, or TypeError for a dtype pycomm does not carry.
+// layer: the process group's collectives, its compressed collectives, the kernel
+// bindings (CPU and CUDA) and the device seam's probe (device_seam.h). They raise
+// at the call, naming the op ("pycomm <op>: ..."): torch's ValueError, or
+// TypeError for a dtype pycomm does not carry.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,6 +24,10 @@ std::string where(const char* op);
 
 // torch dtype -> DataType; a TypeError naming `op` for dtypes pycomm does not carry.
 DataType toDataType(const char* op, at::ScalarType type);
+// Not sparse ("sparse tensors are not supported"); contiguous. Parts of checkTensor,
+// which the device seam applies to tensors off the CPU.
+void checkStrided(const char* op, const at::Tensor& t);
+void checkContiguous(const char* op, const at::Tensor& t);
 // A defined, strided, contiguous CPU tensor of a carried dtype (a collective's argument).
 DataType checkTensor(const char* op, const at::Tensor& t);
 // The one tensor of a single-tensor collective, checked.
@@ -30,6 +35,12 @@ const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors)
 // Checked, with `like`'s dtype and `numel` elements; `what` names it in the error.
 void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
                const std::string& what);
+// The root's one list of `size` tensors, each checked like `like` (gather's outputs,
+// scatter's inputs; `what`: "output" or "input"); on another rank, which may pass
+// none, an empty list.
+std::vector<at::Tensor> checkRootList(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+                                      const at::Tensor& like, bool isRoot, int size,
+                                      const std::string& what);
 // A contiguous CPU tensor of `dtype` called `name` (kernel and compressed-collective
 // arguments; a wrong dtype is a TypeError).
 void checkNamed(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype);
@@ -41,5 +52,8 @@ ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& reduceOp, DataType dty
 std::optional<double> premulFactor(const c10d::ReduceOp& reduceOp);
 // `rank` (a root, source or destination; `what` says which) lies in [0, size).
 void checkRank(const char* op, int rank, int size, const char* what);
+// A rounding seed >= 0; a quantization block >= 1 (returned as a size).
+void checkSeed(const char* op, int64_t seed);
+size_t checkBlock(const char* op, int64_t block);
 
 }  // namespace pycomm
