@@ -7,7 +7,7 @@ Conditions:
 
 * ``plain``: this machine, ranks on loopback (shared memory within the host);
 * ``1gbit``: every rank in its own network namespace on a private bridge with a
-  ``tc tbf`` limit of 1 Gbit/s on each namespace's egress (tests/netns_util.py), ranks
+  ``tc tbf`` limit of 1 Gbit/s on each namespace's egress (pycomm/netns.py), ranks
   started by torchrun in their namespaces (needs root and ``ip``; skipped otherwise);
 * ``straggler``: the plain machine with ``--straggler 3:3`` (rank 3's steps take 3x its
   compute time).
@@ -48,8 +48,8 @@ STRAGGLER = "3:3"
 # task -> (epochs, target accuracy, settings shared by every strategy)
 TASKS = {
     "digits-mlp": (20, 0.95, dict(batch_size=32, lr=0.05, momentum=0.9, schedule="cosine")),
-    "tinylm": (12, 0.50, dict(batch_size=32, lr=0.003, optimizer="adamw", momentum=0.9, schedule="cosine")),
-    "digits-logreg": (20, 0.90, dict(batch_size=32, lr=0.05, momentum=0.9, schedule="cosine")),
+    "tinylm": (6, 0.50, dict(batch_size=32, lr=0.003, optimizer="adamw", momentum=0.9, schedule="cosine")),
+    "digits-logreg": (20, 0.85, dict(batch_size=32, lr=0.05, momentum=0.9, schedule="cosine")),
 }
 # strategy label -> flags; the convex task runs sync and cocoa only
 STRATEGIES = {
@@ -117,7 +117,7 @@ def _env(netns: bool) -> Dict[str, str]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     if netns:
-        from netns_util import IFNAME
+        from pycomm.netns import IFNAME
 
         env["PYCOMM_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = IFNAME
     else:
@@ -135,7 +135,7 @@ def run_local(argv: List[str], log: str, timeout_s: float) -> None:
 
 def run_netns(hosts, argv: List[str], log: str, timeout_s: float, port: int) -> None:
     """One torchrun per namespace (1 rank each), c10d rendezvous on host 0."""
-    from netns_util import kill_tree
+    from pycomm.netns import kill_tree
 
     procs = []
     try:
@@ -198,14 +198,14 @@ def write_markdown(path: str, meta: Dict[str, Any], rows: List[Dict[str, Any]]) 
             sync = next((r for r in chosen if r["strategy"] == "sync"), None)
             lines += [f"**{task}** (target {TASKS[task][1] * 100:.0f}% test accuracy)", "",
                       "| strategy | final accuracy | final loss | time to target (s) | vs sync | train wall (s) "
-                      "| MiB sent (rank 0) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                      "| KiB sent (rank 0) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for r in chosen:
                 ratio = ""
                 if sync and r["time_to_target_s"] and sync["time_to_target_s"]:
                     ratio = f"{sync['time_to_target_s'] / r['time_to_target_s']:.2f}x"
                 lines.append(f"| {r['strategy']} | {r['test_accuracy'] * 100:.2f}% | {r['test_loss']:.3f} | "
                              f"{_fmt_time(r['time_to_target_s'])} | {ratio} | {r['train_wall_s']:.2f} | "
-                             f"{r['mib_sent_rank0']:.1f} |")
+                             f"{r['mib_sent_rank0'] * 1024:,.1f} |")
             lines.append("")
         lines += [f"Plot: `strategies_{condition}.png`", ""]
     lines += ["'vs sync': sync's time to target divided by the strategy's (above 1: faster than sync).", ""]
@@ -265,7 +265,6 @@ def main(argv=None) -> int:
             epochs, target, shared = TASKS[t]
             TASKS[t] = (max(1, round(epochs * args.epochs_scale)), target, shared)
     only = None if args.strategies is None else set(args.strategies.split(","))
-    sys.path.insert(0, os.path.join(REPO, "tests"))
     condition_text = {"plain": "Plain machine (loopback, 4 ranks on 2 cores)",
                       "1gbit": f"{args.rate} link: one rank per network namespace, tc tbf {args.rate} egress",
                       "straggler": f"Straggler: --straggler {STRAGGLER} (rank 3 three times slower)"}
@@ -275,7 +274,7 @@ def main(argv=None) -> int:
         for condition in conditions:
             hosts = None
             if condition == "1gbit":
-                from netns_util import NetnsHosts, netns_unavailable_reason
+                from pycomm.netns import NetnsHosts, netns_unavailable_reason
 
                 reason = netns_unavailable_reason()
                 if reason:
@@ -324,7 +323,7 @@ def main(argv=None) -> int:
         "setup": (f"{RANKS} ranks (1 thread each), {platform.machine()} {os.cpu_count()} cores, torch "
                   f"{torch.__version__}, pycomm backend. Epochs: "
                   + ", ".join(f"{t} {TASKS[t][0]}" for t in tasks)
-                  + ". Times are rank 0's training clock (no start-up, no evaluation); MiB = bytes rank 0 "
+                  + ". Times are rank 0's training clock (no start-up, no evaluation); KiB = bytes rank 0 "
                   f"sent. Load average after the run: {load[0]:.2f}. Whole run: {(time.time() - started) / 60:.0f} min."),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
