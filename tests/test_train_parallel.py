@@ -202,6 +202,7 @@ def test_bad_combinations_are_rejected(changes, message):
     (dict(parallel="pp"), 3, "3 pipeline stages need lm_layers >= 3 (got 2)"),
     (dict(parallel="tp"), 3, "3-way tensor parallel must divide the 4 heads"),
     (dict(parallel="fsdp"), 1, "parallel fsdp needs at least 2 ranks (got 1)"),
+    (dict(parallel="pp", task="digits-mlp"), 4, "digits-mlp has 3 layers with parameters, too few for 4"),
 ])
 def test_world_size_is_checked(changes, world, message):
     with pytest.raises(ValueError, match="^pycomm train: ") as info:

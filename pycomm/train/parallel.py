@@ -52,6 +52,7 @@ HYBRID_WORLD_SIZE = 4          # dp_tp / dp_pp: a 2 x 2 mesh
 DEFAULT_MICROBATCHES = 4
 TP_TASKS = ("tinylm-mp", "digits-mlp")
 PP_TASKS = ("tinylm-mp", "digits-mlp", "digits-cnn")
+_PP_LAYERS = {"digits-mlp": 3, "digits-cnn": 4}  # layers with parameters: the most stages
 
 
 # ---------------------------------------------------------------------------
@@ -122,6 +123,9 @@ def check_world_size(cfg, world_size: int) -> None:
     if stages and cfg.task == "tinylm-mp" and stages > cfg.lm_layers:
         raise ValueError(f"{_PREFIX} parallel {mode}: {stages} pipeline stages need lm_layers >= {stages} "
                          f"(got {cfg.lm_layers})")
+    if stages and stages > _PP_LAYERS.get(cfg.task, stages):
+        raise ValueError(f"{_PREFIX} parallel {mode}: {cfg.task} has {_PP_LAYERS[cfg.task]} layers with "
+                         f"parameters, too few for {stages} pipeline stages")
 
 
 def describe_parallel(cfg) -> str:
@@ -148,7 +152,14 @@ def _fsdp_units(model: nn.Module) -> List[nn.Module]:
 
 
 def _fully_shard(model: nn.Module, mesh) -> None:
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
+
+    # FSDP2 warns once per module whose output is a view (a Linear on 3-D input returns one)
+    # that an in-place op on it would skip the backward all-gather; the tasks' losses are
+    # out of place, so the warning would only be noise on every rank.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
     for unit in _fsdp_units(model):
         fully_shard(unit, mesh=mesh)
@@ -302,7 +313,7 @@ class ParallelTrainer(Trainer):
         # every rank logs the loss of data-parallel replica 0 (its last stage has it)
         mine = torch.zeros(1, dtype=torch.float64)
         if last and self.dp_rank == 0:
-            mine += sum(float(l) for l in losses) / len(losses)
+            mine += sum(float(l.detach()) for l in losses) / len(losses)
         dist.all_reduce(mine, group=self.control)
         return float(mine)
 

@@ -102,7 +102,7 @@ class Trainer:
             pycomm.set_algorithm(cfg.algorithm, group=process_group)
 
         self.task: Task = get_task(cfg.task, cfg.dropout, cfg.lm_dim, cfg.lm_layers)
-        self.rss = RssPeak()  # peak-RSS growth from here on (memory_report)
+        self.rss = RssPeak()  # the resident set before the model (memory_report)
         # data-parallel replicas: each draws its own batches (model-parallel ranks share theirs)
         self.dp_rank, self.dp_size = self.rank, self.world_size
         self._build_model()
@@ -148,6 +148,7 @@ class Trainer:
         self.meter = CommMeter(self.backend == "pycomm")
         self.logger = MetricsLogger(cfg.log_file, self.is_logger, cfg.progress, self.total_steps,
                                     initial_step=self.step, append=self.resumed_from is not None)
+        self.rss.reset_peak()  # from here on: the training steps
 
     def _build_model(self) -> None:
         """The model, its strategy, ``self.ddp`` (what the step calls) and ``self.model`` (the
