@@ -51,11 +51,14 @@ def main() -> None:
     parser.add_argument("--lm-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--runs", default=",".join(f"{w}:{m}" for w, m in RUNS),
+                        help="RANKS:MODE,... (default: all of them; ddp first for each rank count)")
     parser.add_argument("-o", "--output", default=os.path.join("benchmarks", "results", "parallel_memory.txt"))
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     rows = []
-    for world, mode in RUNS:
+    runs = [(int(w), m) for w, m in (item.split(":") for item in args.runs.split(","))]
+    for world, mode in runs:
         cfg = TrainConfig.from_dict(dict(task="tinylm-mp", lm_dim=args.lm_dim, lm_layers=args.lm_layers,
                                          dropout=0.0, steps=args.steps, batch_size=args.batch_size,
                                          parallel=mode, progress=False, seed=0))
@@ -63,9 +66,11 @@ def main() -> None:
         summary = cli.run(cfg, world, threads=1)
         rows.append((world, mode, summary["memory"], summary["bytes_sent"] / summary["steps"]))
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    env = " ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MALLOC_"))
     lines = [
-        f"# python benchmarks/parallel_memory.py --lm-dim {args.lm_dim} --lm-layers {args.lm_layers} "
-        f"--steps {args.steps} --batch-size {args.batch_size}",
+        f"# {env + ' ' if env else ''}python benchmarks/parallel_memory.py --lm-dim {args.lm_dim} "
+        f"--lm-layers {args.lm_layers} --steps {args.steps} --batch-size {args.batch_size}"
+        + (f" --runs {args.runs}" if args.runs != parser.get_default("runs") else ""),
         f"# task tinylm-mp: {rows[0][2][0]['params'] // 4:,} parameters ({_mib(rows[0][2][0]['params'])} MiB fp32); "
         "SGD + momentum, fp32, CPU, pycomm backend, 1 torch thread per rank",
         f"# machine load at the end (uptime): {load}",
@@ -83,7 +88,7 @@ def main() -> None:
         mean_state = sum(m["state"] for m in memory) / len(memory)
         if mode == "ddp":
             ddp_state[world] = mean_state
-        ratio = mean_state / ddp_state[world]
+        ratio = mean_state / ddp_state[world] if world in ddp_state else float("nan")
         params = "/".join(_mib(m["params"]) for m in memory)
         state = "/".join(_mib(m["state"]) for m in memory)
         rss = "/".join(_mib(m["rss_peak_growth"]) for m in memory)

@@ -160,7 +160,7 @@ FOUR_RANK_RUNS = {
 FOUR_RANK_REFERENCES = {0: [("ref16", dict(batch_size=16, steps=2))]}
 
 
-@pytest.mark.slow  # 4 ranks on 2 cores: ~50 s on a busy machine
+@pytest.mark.slow  # 4 ranks on 2 cores: 25 s at load average 5-9, 50 s at 24
 def test_hybrids_match_single_process_on_four_ranks():
     rets = spawn_run(parallel_worker, 4, args=(FOUR_RANK_RUNS, FOUR_RANK_REFERENCES), timeout_s=240,
                      pg_timeout_s=90, env={"OMP_NUM_THREADS": "1"}).check().returns
