@@ -1,7 +1,8 @@
 """pycomm.train: a small trainer around DistributedDataParallel on the pycomm backend.
 
 Strategies: synchronous data parallel with any DDP comm hook, local SGD, EASGD; with loops
-of their own (``build_trainer``), asynchronous SGD with parameter servers and CoCoA+.
+of their own (``build_trainer``), asynchronous SGD with parameter servers and CoCoA+; model
+parallelism (``--parallel``: FSDP2, tensor parallel, pipelining) in :mod:`.parallel`.
 Checkpoint / resume, JSON-lines metrics, a progress bar, plots, and the
 ``pycomm-train`` command (``python -m pycomm.train``). See docs/training.md.
 
@@ -18,6 +19,7 @@ from .tasks import TASKS, get_task
 from .trainer import Trainer, build_trainer, train
 from .async_ps import AsyncPSTrainer
 from .cocoa import CoCoATrainer
+from .parallel import ParallelTrainer
 
 __all__ = [
     "AsyncPSTrainer",
@@ -26,6 +28,7 @@ __all__ = [
     "ConfigError",
     "EASGDStrategy",
     "LocalSGDStrategy",
+    "ParallelTrainer",
     "Strategy",
     "SyncStrategy",
     "TASKS",

@@ -105,7 +105,7 @@ class AsyncPSTrainer:
         self.is_server = self.rank < self.servers
         self.worker = None if self.is_server else self.rank - self.servers
 
-        self.task = get_task(cfg.task, cfg.dropout)
+        self.task = get_task(cfg.task, cfg.dropout, cfg.lm_dim, cfg.lm_layers)
         self.model = self.task.make_model(cfg.seed)  # the same initial weights on every rank
         flat = flat_parameters(self.model)
         self.numel = flat.numel()

@@ -27,15 +27,22 @@ from typing import Any, Dict, Optional, Sequence
 
 from ..launch import launch_workers, torchrun_env
 from .config import ConfigError, TrainConfig, load_yaml
+from .parallel import check_world_size
 from .straggler import check_straggler_rank
 
-__all__ = ["main", "build_parser", "parse_config", "run"]
+__all__ = ["main", "build_parser", "parse_config", "run", "describe_comm"]
 
 _PREFIX = "pycomm train:"
 
 _HELP = {
-    "task": "built-in task: digits-mlp, digits-cnn, digits-logreg, tinylm",
+    "task": "built-in task: digits-mlp, digits-cnn, digits-logreg, tinylm, tinylm-mp (tinylm for model parallelism)",
     "dropout": "dropout probability (default: the task's)",
+    "lm_dim": "tinylm-mp: model width",
+    "lm_layers": "tinylm-mp: Transformer blocks",
+    "parallel": "ddp (data parallel; the strategies), fsdp (FSDP2), tp (DTensor tensor parallel), pp (pipeline), "
+                "dp_tp, dp_pp (2 x 2 mesh, 4 ranks); see docs/training.md",
+    "microbatches": "pp, dp_pp: micro-batches per step, dividing --batch-size (None: 4)",
+    "pp_schedule": "pp, dp_pp: pipeline schedule gpipe or 1f1b (None: gpipe)",
     "strategy": "sync (DDP + comm hook), local_sgd, easgd, gossip, fedavg, hogwild (one host), async_ps, cocoa",
     "hook": "comm hook for sync steps: allreduce, fp16, bf16, topk, quantize, powersgd, torch_powersgd, "
             "or package.module:attribute",
@@ -90,7 +97,7 @@ def _field_type(field: dataclasses.Field):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pycomm-train",
-        description="Data-parallel training on the pycomm backend (launch with torchrun, or -n N "
+        description="Data- and model-parallel training on the pycomm backend (launch with torchrun, or -n N "
                     "to spawn N local ranks). Subcommand: 'pycomm-train plot RUN.jsonl ... -o out.png'.",
         argument_default=argparse.SUPPRESS,
     )
@@ -157,6 +164,7 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
         "resumed_from": trainer.resumed_from, "last_loss": result["losses"][-1][1] if result["losses"] else None,
         "strategy_summary": result.get("strategy_summary"),
         "staleness": result.get("staleness"), "duality_gap": result.get("duality_gap"),
+        "comm": describe_comm(cfg), "memory": result.get("memory"),
     }
     dist.destroy_process_group()
     return summary
@@ -174,13 +182,40 @@ def run(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None) -> Dic
         raise RuntimeError(str(exc)) from None
 
 
+def describe_comm(cfg: TrainConfig) -> Optional[str]:
+    """What moved the gradients, for the summary line: the DDP comm hook where one ran
+    (sync; local_sgd's warm-up), the --parallel mode, or None (the strategy's own traffic)."""
+    if cfg.parallel != "ddp":
+        from .parallel import describe_parallel
+
+        return f"parallel {describe_parallel(cfg)}"
+    if cfg.strategy == "sync":
+        return f"hook {cfg.hook}"
+    if cfg.strategy == "local_sgd" and cfg.local_sgd_warmup > 0:
+        return f"hook {cfg.hook} for {cfg.local_sgd_warmup} warm-up steps"
+    return None  # easgd, gossip, fedavg, async_ps, cocoa, hogwild: no gradient all-reduce
+
+
+def _print_memory(memory) -> None:
+    from .memory import format_bytes
+
+    for rank, mine in enumerate(memory):
+        print(f"pycomm-train: memory per rank: rank {rank}: model state {format_bytes(mine['state'])} "
+              f"(params {format_bytes(mine['params'])}, grads {format_bytes(mine['grads'])}, "
+              f"optimizer {format_bytes(mine['optimizer'])}), peak RSS growth "
+              f"{format_bytes(mine['rss_peak_growth'])}", flush=True)
+
+
 def _print_summary(summary: Dict[str, Any]) -> None:
     final = summary.get("final") or {}
-    print(f"pycomm-train: {summary['task']} {summary['strategy']} (hook {summary['hook']}) on "
+    comm = f" ({summary['comm']})" if summary.get("comm") else ""
+    print(f"pycomm-train: {summary['task']} {summary['strategy']}{comm} on "
           f"{summary['world_size']} ranks: {summary['steps']} steps in {summary['wall_s']:.2f} s, "
           f"test loss {final.get('test_loss', float('nan')):.4f}, "
           f"test accuracy {final.get('test_accuracy', float('nan')) * 100:.2f}%, "
           f"{summary['bytes_sent'] / 2 ** 20:.1f} MiB sent by rank 0", flush=True)
+    if summary.get("memory"):
+        _print_memory(summary["memory"])
     extra = summary.get("strategy_summary") or {}
     if extra.get("consensus_distance_mean") is not None:
         print(f"pycomm-train: consensus distance (RMS over ranks of ||x_i - mean||): mean "
@@ -230,6 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         check_straggler_rank(cfg.straggler, launched[1] if launched else nprocs)
+        check_world_size(cfg, launched[1] if launched else nprocs)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

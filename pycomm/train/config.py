@@ -34,8 +34,15 @@ class TrainConfig:
     """Everything a run needs; picklable, so it travels to spawned ranks."""
 
     # what to train
-    task: str = "digits-mlp"            # digits-mlp, digits-cnn, tinylm
+    task: str = "digits-mlp"            # digits-mlp, digits-cnn, digits-logreg, tinylm, tinylm-mp
     dropout: Optional[float] = None      # None: the task's default
+    lm_dim: int = 64                     # tinylm-mp: model width
+    lm_layers: int = 2                   # tinylm-mp: Transformer blocks
+    # model parallelism (pycomm/train/parallel.py): ddp (data parallel, the strategies below),
+    # fsdp, tp, pp, dp_tp, dp_pp (the last two: a 2 x 2 DeviceMesh on 4 ranks)
+    parallel: str = "ddp"
+    microbatches: Optional[int] = None   # pp / dp_pp: micro-batches per step (None: 4)
+    pp_schedule: Optional[str] = None    # pp / dp_pp: gpipe or 1f1b (None: gpipe)
     # how ranks communicate
     strategy: str = "sync"               # sync, local_sgd, easgd
     hook: str = "allreduce"              # sync / warm-up comm hook: allreduce, fp16, bf16, topk, quantize, powersgd, torch_powersgd, or pkg.mod:attr
@@ -149,6 +156,9 @@ class TrainConfig:
             raise bad("resume: auto needs checkpoint_dir")
         self._validate_decentralised(bad)
         self._validate_own_trainers(bad)
+        from .parallel import validate_parallel
+
+        validate_parallel(self, bad)
 
     def _validate_decentralised(self, bad) -> None:
         from .straggler import parse_straggler

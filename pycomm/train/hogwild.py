@@ -72,7 +72,7 @@ def _worker(worker: int, workers: int, cfg: TrainConfig, model, threads: int, co
         torch.set_num_threads(threads)
         from .trainer import _lr_lambda
 
-        task = get_task(cfg.task, cfg.dropout)
+        task = get_task(cfg.task, cfg.dropout, cfg.lm_dim, cfg.lm_layers)
         torch.manual_seed(cfg.seed * 1000 + 17 + worker)
         if cfg.optimizer == "sgd":
             optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -144,7 +144,7 @@ def run_hogwild(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None
 
     cfg.validate()
     _check(cfg, nprocs)
-    task = get_task(cfg.task, cfg.dropout)
+    task = get_task(cfg.task, cfg.dropout, cfg.lm_dim, cfg.lm_layers)
     model = task.make_model(cfg.seed)
     model.share_memory()  # every parameter tensor: share_memory_()
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)

@@ -8,6 +8,11 @@ loss and a metric:
 * ``tinylm``: a character-level Transformer language model on English-like text
   generated from a small grammar with a fixed seed (:func:`generate_text`); the
   metric is next-character accuracy.
+* ``tinylm-mp``: the same data and the same kind of model, written for model
+  parallelism (:class:`SplitTransformerLM`: separate q / k / v / out projections and MLP
+  Linear layers that tensor-parallel plans can name, and blocks that a pipeline can
+  cut between). Its numerics differ from ``tinylm``'s (another initialisation and
+  parameter layout), which stays as it was.
 
 Tasks are deterministic: every rank builds the same data from the same seed.
 """
@@ -26,7 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["Task", "BinaryTask", "TASKS", "get_task", "generate_text", "TinyTransformerLM"]
+__all__ = ["Task", "BinaryTask", "TASKS", "get_task", "generate_text", "TinyTransformerLM", "SplitTransformerLM",
+           "LM_DIM", "LM_LAYERS"]
 
 _PREFIX = "pycomm train:"
 _DATA_SEED = 1234  # the train/test split and the generated text never depend on the run's seed
@@ -206,7 +212,121 @@ class TinyTransformerLM(nn.Module):
         return self.head(self.norm(hidden))
 
 
-def _tinylm(dropout: float, block: int = 32) -> Task:
+LM_DIM = 64      # tinylm-mp's default width (tinylm's, fixed)
+LM_LAYERS = 2    # tinylm-mp's default depth (tinylm's, fixed)
+
+
+class _SplitAttention(nn.Module):
+    """Causal multi-head self-attention with separate q / k / v / out Linear layers.
+
+    The head count is taken from the width of q's output, so the same code runs on a
+    tensor-parallel shard (q, k, v column-split: each rank holds whole heads)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.dropout = dropout
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class _SplitMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+        self.proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.relu(self.fc(x)))
+
+
+class _SplitBlock(nn.Module):
+    """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = _SplitAttention(dim, heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = _SplitMLP(dim, 2 * dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class _Embed(nn.Module):
+    def __init__(self, vocab: int, block: int, dim: int):
+        super().__init__()
+        self.token = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.zeros(block, dim))
+        nn.init.normal_(self.position, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token(tokens) + self.position[: tokens.shape[1]]
+
+
+class _Output(nn.Module):
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(hidden))
+
+
+class SplitTransformerLM(nn.Module):
+    """The model of ``tinylm-mp``: a decoder-only character model like :class:`TinyTransformerLM`
+    (pre-norm blocks, causal attention, MLP of twice the width), built from named parts that
+    model parallelism can address: ``embed``, ``blocks[i].attn.{q,k,v,out}``,
+    ``blocks[i].mlp.{fc,proj}``, ``output``. :meth:`pipeline_stages` cuts it between blocks."""
+
+    def __init__(self, vocab: int, block: int, dim: int = LM_DIM, heads: int = 4, layers: int = LM_LAYERS,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.embed = _Embed(vocab, block, dim)
+        self.blocks = nn.ModuleList(_SplitBlock(dim, heads, dropout) for _ in range(layers))
+        self.output = _Output(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.output(hidden)
+
+    def pipeline_stages(self, count: int) -> "list[nn.Module]":
+        """``count`` consecutive pieces (embed + first blocks, ..., last blocks + output) whose
+        composition is this model; they share its parameter objects. Needs count <= layers."""
+        layers = len(self.blocks)
+        if not 1 <= count <= layers:
+            raise ValueError(f"{_PREFIX} a pipeline of {count} stages needs at least {count} blocks "
+                             f"(the model has {layers}; raise --lm-layers)")
+        bounds = [layers * i // count for i in range(count + 1)]
+        stages = []
+        for i in range(count):
+            parts = [self.embed] if i == 0 else []
+            parts += list(self.blocks[bounds[i]: bounds[i + 1]])
+            if i == count - 1:
+                parts.append(self.output)
+            stages.append(nn.Sequential(*parts))
+        return stages
+
+
+def _tinylm_data(block: int):
     text = generate_text()
     vocab = sorted(set(text))
     codes = torch.tensor([vocab.index(c) for c in text], dtype=torch.int64)
@@ -215,12 +335,27 @@ def _tinylm(dropout: float, block: int = 32) -> Task:
     x = windows[:-1].reshape(count, block)
     y = windows[1:].reshape(count, block)
     test = max(1, count // 10)
+    return len(vocab), x[test:], y[test:], x[:test], y[:test]
+
+
+def _tinylm_mp(dropout: float, block: int = 32, dim: int = LM_DIM, layers: int = LM_LAYERS) -> Task:
+    vocab, x_train, y_train, x_test, y_test = _tinylm_data(block)
 
     def make_model(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return TinyTransformerLM(len(vocab), block, dropout=dropout)
+        return SplitTransformerLM(vocab, block, dim=dim, layers=layers, dropout=dropout)
 
-    return Task("tinylm", x[test:], y[test:], x[:test], y[:test], make_model, metric="next-char accuracy")
+    return Task("tinylm-mp", x_train, y_train, x_test, y_test, make_model, metric="next-char accuracy")
+
+
+def _tinylm(dropout: float, block: int = 32) -> Task:
+    vocab, x_train, y_train, x_test, y_test = _tinylm_data(block)
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return TinyTransformerLM(vocab, block, dropout=dropout)
+
+    return Task("tinylm", x_train, y_train, x_test, y_test, make_model, metric="next-char accuracy")
 
 
 _FACTORIES: Dict[str, "tuple[Callable[[float], Task], float]"] = {
@@ -228,15 +363,21 @@ _FACTORIES: Dict[str, "tuple[Callable[[float], Task], float]"] = {
     "digits-cnn": (_digits_cnn, 0.0),
     "digits-logreg": (_digits_logreg, 0.0),
     "tinylm": (_tinylm, 0.1),
+    "tinylm-mp": (_tinylm_mp, 0.1),
 }
 TASKS = tuple(_FACTORIES)
 
 
-def get_task(name: str, dropout: Optional[float] = None) -> Task:
-    """Build the task ``name`` (one of :data:`TASKS`); ``dropout=None`` uses its default."""
+def get_task(name: str, dropout: Optional[float] = None, lm_dim: int = LM_DIM, lm_layers: int = LM_LAYERS) -> Task:
+    """Build the task ``name`` (one of :data:`TASKS`); ``dropout=None`` uses its default.
+    ``lm_dim`` / ``lm_layers``: width and depth of ``tinylm-mp``'s model (only)."""
     if name not in _FACTORIES:
         raise ValueError(f"{_PREFIX} unknown task {name!r} (choose from {', '.join(TASKS)})")
     factory, default_dropout = _FACTORIES[name]
-    task = factory(default_dropout if dropout is None else float(dropout))
+    dropout = default_dropout if dropout is None else float(dropout)
+    if name == "tinylm-mp":
+        task = factory(dropout, dim=int(lm_dim), layers=int(lm_layers))
+    else:
+        task = factory(dropout)
     assert math.isfinite(float(task.x_train.float().sum()))
     return task

@@ -29,6 +29,7 @@ from torch.utils.data import DistributedSampler
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .metrics import CommMeter, MetricsLogger
+from .memory import RssPeak, memory_report
 from .straggler import Straggler
 from .strategies import Strategy, build_strategy, flat_parameters
 from .tasks import Task, get_task
@@ -100,12 +101,11 @@ class Trainer:
 
             pycomm.set_algorithm(cfg.algorithm, group=process_group)
 
-        self.task: Task = get_task(cfg.task, cfg.dropout)
-        model_seed = cfg.seed + (self.rank if cfg.rank_seeds else 0)
-        model = self.task.make_model(model_seed).to(self.device)
-        self.strategy: Strategy = build_strategy(cfg, process_group, self.control)
-        self.ddp = self.strategy.wrap(model, device_ids=[self.device.index] if cfg.device == "cuda" else None)
-        self.model = self.ddp.module
+        self.task: Task = get_task(cfg.task, cfg.dropout, cfg.lm_dim, cfg.lm_layers)
+        self.rss = RssPeak()  # the resident set before the model (memory_report)
+        # data-parallel replicas: each draws its own batches (model-parallel ranks share theirs)
+        self.dp_rank, self.dp_size = self.rank, self.world_size
+        self._build_model()
 
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -116,15 +116,15 @@ class Trainer:
 
         self.sampler = self.strategy.make_sampler(self.task, cfg.seed)  # fedavg: the rank's own shard
         if self.sampler is None:
-            self.sampler = DistributedSampler(_Indices(self.task.x_train.shape[0]), num_replicas=self.world_size,
-                                              rank=self.rank, shuffle=True, seed=cfg.seed, drop_last=True)
+            self.sampler = DistributedSampler(_Indices(self.task.x_train.shape[0]), num_replicas=self.dp_size,
+                                              rank=self.dp_rank, shuffle=True, seed=cfg.seed, drop_last=True)
         self.straggler = Straggler(cfg.straggler, self.rank, self.world_size)
         self.micro_per_epoch = len(self.sampler) // cfg.batch_size
         self.steps_per_epoch = self.micro_per_epoch // cfg.accum_steps
         if self.steps_per_epoch < 1:
             raise ValueError(
                 f"{_PREFIX} batch_size x accum_steps = {cfg.batch_size * cfg.accum_steps} is more than "
-                f"the {len(self.sampler)} training samples each of {self.world_size} ranks gets")
+                f"the {len(self.sampler)} training samples each of {self.dp_size} data-parallel ranks gets")
         self.total_steps = cfg.epochs * self.steps_per_epoch if cfg.epochs else cfg.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg, self.total_steps))
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.device == "cuda" and cfg.precision != "fp32")
@@ -148,6 +148,18 @@ class Trainer:
         self.meter = CommMeter(self.backend == "pycomm")
         self.logger = MetricsLogger(cfg.log_file, self.is_logger, cfg.progress, self.total_steps,
                                     initial_step=self.step, append=self.resumed_from is not None)
+        self.rss.reset_peak()  # from here on: the training steps
+
+    def _build_model(self) -> None:
+        """The model, its strategy, ``self.ddp`` (what the step calls) and ``self.model`` (the
+        module whose parameters the optimizer steps). :class:`~pycomm.train.parallel.ParallelTrainer`
+        builds them its own way."""
+        cfg = self.cfg
+        model_seed = cfg.seed + (self.rank if cfg.rank_seeds else 0)
+        model = self.task.make_model(model_seed).to(self.device)
+        self.strategy: Strategy = build_strategy(cfg, self.group, self.control)
+        self.ddp = self.strategy.wrap(model, device_ids=[self.device.index] if cfg.device == "cuda" else None)
+        self.model = self.ddp.module
 
     # -- data --------------------------------------------------------------------
     def _micro_batch(self):
@@ -186,13 +198,7 @@ class Trainer:
         loss_sum = 0.0
         for micro in range(cfg.accum_steps):
             x, y = self._micro_batch()
-            last = micro == cfg.accum_steps - 1
-            context = contextlib.nullcontext() if (sync and last) else self.ddp.no_sync()
-            with context:
-                with self._autocast():
-                    loss = self.task.loss(self.ddp(x), y) / cfg.accum_steps
-                self.scaler.scale(loss).backward()
-            loss_sum += loss.item()
+            loss_sum += self._micro_step(x, y, sync and micro == cfg.accum_steps - 1)
         if cfg.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad_norm)
@@ -208,13 +214,33 @@ class Trainer:
         comm = self.meter.delta()
         if self.backend != "pycomm":
             comm["comm_s"] = self.strategy.comm_timer.seconds - comm_before
-        samples = cfg.batch_size * cfg.accum_steps * self.world_size
+        samples = cfg.batch_size * cfg.accum_steps * self.dp_size
         return {
             "event": "step", "step": self.step, "epoch": self.epoch, "loss": loss_sum, "lr": lr,
             "samples_per_s": samples / step_s, "step_s": step_s, "comm_s": comm["comm_s"],
             "compute_s": max(0.0, step_s - comm["comm_s"]), "bytes_sent": comm["bytes_sent"],
             "elapsed_s": self.elapsed_s, **self.strategy.step_metrics(self.step),
         }
+
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> float:
+        """Forward and backward of one micro-batch (DDP all-reduces when ``sync``); its loss."""
+        context = contextlib.nullcontext() if sync else self.ddp.no_sync()
+        with context:
+            with self._autocast():
+                loss = self.task.loss(self.ddp(x), y) / self.cfg.accum_steps
+            self.scaler.scale(loss).backward()
+        return loss.item()
+
+    def local_parameters(self) -> torch.Tensor:
+        """This rank's parameters, flat (its replica's, for the data-parallel strategies)."""
+        return flat_parameters(self.model)
+
+    def memory_report(self) -> List[Dict[str, Any]]:
+        """Collective: every rank's :func:`~pycomm.train.parallel.memory_report`, in rank order."""
+        mine = memory_report(self.model, self.optimizer, self.rss)
+        everyone: List[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.control)
+        return everyone
 
     def _maybe_inject_failure(self) -> None:
         fail = self.cfg.fail_at_step
@@ -273,7 +299,8 @@ class Trainer:
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
             result: Dict[str, Any] = {"losses": losses, "evals": evals, "step": self.step,
-                                      "bytes_sent": bytes_sent, "wall_s": self.elapsed_s}
+                                      "bytes_sent": bytes_sent, "wall_s": self.elapsed_s,
+                                      "memory": self.memory_report()}
             if self.step < self.total_steps:
                 return result
             self.strategy.finish(self.step)
@@ -284,13 +311,14 @@ class Trainer:
             result["strategy_summary"] = self.strategy.summary()
             result["final"] = final
             result["params"] = flat_parameters(self.strategy.consensus_model())
-            result["local_params"] = flat_parameters(self.model)
+            result["local_params"] = self.local_parameters()
             if cfg.checkpoint_dir and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
                 self.save_checkpoint()
             self.logger.log({"event": "end", "step": self.step, "wall_s": self.elapsed_s,
                              "test_accuracy": final["test_accuracy"], "test_loss": final["test_loss"],
                              "bytes_sent_rank0": bytes_sent, "world_size": self.world_size,
-                             "strategy": cfg.strategy, "hook": cfg.hook, "run_name": cfg.run_name,
+                             "strategy": cfg.strategy, "hook": cfg.hook, "parallel": cfg.parallel,
+                             "run_name": cfg.run_name, "memory": result["memory"],
                              **result["strategy_summary"]})
             return result
         finally:
@@ -389,12 +417,13 @@ def train(cfg: TrainConfig, process_group=None, control_group=None, max_steps: O
     """``Trainer(cfg, ...).fit(max_steps)`` inside an initialised process group."""
     if cfg.strategy in ("async_ps", "cocoa"):
         return build_trainer(cfg, process_group, control_group).fit()
-    return Trainer(cfg, process_group, control_group).fit(max_steps)
+    return build_trainer(cfg, process_group, control_group).fit(max_steps)
 
 
 def build_trainer(cfg: TrainConfig, process_group=None, control_group=None):
-    """The trainer for ``cfg.strategy``: :class:`Trainer` (DDP), or the strategies with a loop
-    of their own (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`)."""
+    """The trainer for ``cfg``: :class:`Trainer` (DDP), the strategies with a loop of their own
+    (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`), or for ``parallel`` other than
+    ddp :class:`~pycomm.train.parallel.ParallelTrainer`."""
     if cfg.strategy == "async_ps":
         from .async_ps import AsyncPSTrainer
 
@@ -403,4 +432,8 @@ def build_trainer(cfg: TrainConfig, process_group=None, control_group=None):
         from .cocoa import CoCoATrainer
 
         return CoCoATrainer(cfg, process_group, control_group)
+    if cfg.parallel != "ddp":
+        from .parallel import ParallelTrainer
+
+        return ParallelTrainer(cfg, process_group, control_group)
     return Trainer(cfg, process_group, control_group)
