@@ -359,6 +359,44 @@ def _verdicts(settings):
     return lines
 
 
+def run_settings(args, port):
+    """Every ``--worlds`` setting on loopback, then every ``--slow-rates`` x ``--slow-worlds`` one
+    with each rank in its own namespace behind a tbf limit (``port``: rank 0's there); each
+    setting ``{label, network, world_size, rows}`` (rows: rank 0's, annotated). Shared with
+    benchmarks/powersgd_digits.py, whose worker is this module's."""
+    settings = []
+    with tempfile.TemporaryDirectory(prefix="compression_digits_") as tmp:
+        for world in [int(w) for w in args.worlds.split(",") if w]:
+            label = f"loopback, {world} ranks"
+            print(f"== {label}", flush=True)
+            rows = _annotate(_repeated(args, lambda: _launch(world, args, tmp)))
+            settings.append({"label": label, "network": "loopback", "world_size": world, "rows": rows})
+        rates = [r for r in args.slow_rates.split(",") if r]
+        if rates:
+            from pycomm.netns import NetnsHosts, netns_unavailable_reason
+
+            reason = netns_unavailable_reason()
+            if reason:
+                print(f"skipping the slow-link runs: {reason}", flush=True)
+                rates = []
+            for rate in rates:
+                for world in [int(w) for w in args.slow_worlds.split(",") if w]:
+                    label = f"netns tbf {rate}, {world} ranks"
+                    print(f"== {label}", flush=True)
+                    hosts = NetnsHosts(world, rate=rate)
+                    try:
+                        hosts.create()
+                        rows = _annotate(_repeated(args, lambda: _launch(
+                            world, args, tmp, netns=hosts.names, addr=hosts.addrs[0], port=port)))
+                    finally:
+                        hosts.close()
+                        left = hosts.leftovers()
+                        if left:
+                            print(f"WARNING: left behind: {left}", flush=True)
+                    settings.append({"label": label, "network": f"tbf {rate}", "world_size": world, "rows": rows})
+    return settings
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
@@ -384,39 +422,9 @@ def main(argv=None) -> int:
 
     command = "python benchmarks/compression_digits.py" + (
         " " + " ".join(sys.argv[1:] if argv is None else argv) if (argv or sys.argv[1:]) else "")
-    settings = []
     load_before = os.getloadavg()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="compression_digits_") as tmp:
-        for world in [int(w) for w in args.worlds.split(",") if w]:
-            label = f"loopback, {world} ranks"
-            print(f"== {label}", flush=True)
-            rows = _annotate(_repeated(args, lambda: _launch(world, args, tmp)))
-            settings.append({"label": label, "network": "loopback", "world_size": world, "rows": rows})
-        rates = [r for r in args.slow_rates.split(",") if r]
-        if rates:
-            sys.path.insert(0, os.path.join(REPO, "tests"))
-            from netns_util import NetnsHosts, netns_unavailable_reason
-
-            reason = netns_unavailable_reason()
-            if reason:
-                print(f"skipping the slow-link runs: {reason}", flush=True)
-                rates = []
-            for rate in rates:
-                for world in [int(w) for w in args.slow_worlds.split(",") if w]:
-                    label = f"netns tbf {rate}, {world} ranks"
-                    print(f"== {label}", flush=True)
-                    hosts = NetnsHosts(world, rate=rate)
-                    try:
-                        hosts.create()
-                        rows = _annotate(_repeated(args, lambda: _launch(
-                            world, args, tmp, netns=hosts.names, addr=hosts.addrs[0], port=29517)))
-                    finally:
-                        hosts.close()
-                        left = hosts.leftovers()
-                        if left:
-                            print(f"WARNING: left behind: {left}", flush=True)
-                    settings.append({"label": label, "network": f"tbf {rate}", "world_size": world, "rows": rows})
+    settings = run_settings(args, port=29517)
     total_s = time.perf_counter() - started
 
     import torch

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,34 +82,7 @@ def main(argv=None) -> int:
                                                         else " " + " ".join(sys.argv[1:] if argv is None else argv))
     load_before = os.getloadavg()
     started = time.perf_counter()
-    settings = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in [int(w) for w in args.worlds.split(",") if w]:
-            label = f"loopback, {world} ranks"
-            print(f"== {label}", flush=True)
-            rows = cd._annotate(cd._repeated(args, lambda: cd._launch(world, args, tmp)))
-            settings.append({"label": label, "network": "loopback", "world_size": world, "rows": rows})
-        rates = [r for r in args.slow_rates.split(",") if r]
-        if rates:
-            sys.path.insert(0, os.path.join(REPO, "tests"))
-            from netns_util import NetnsHosts, netns_unavailable_reason
-
-            reason = netns_unavailable_reason()
-            if reason:
-                print(f"skipping the slow-link runs: {reason}", flush=True)
-                rates = []
-            for rate in rates:
-                for world in [int(w) for w in args.slow_worlds.split(",") if w]:
-                    label = f"netns tbf {rate}, {world} ranks"
-                    print(f"== {label}", flush=True)
-                    hosts = NetnsHosts(world, rate=rate)
-                    try:
-                        hosts.create()
-                        rows = cd._annotate(cd._repeated(args, lambda: cd._launch(
-                            world, args, tmp, netns=hosts.names, addr=hosts.addrs[0], port=29519)))
-                    finally:
-                        hosts.close()
-                    settings.append({"label": label, "network": f"tbf {rate}", "world_size": world, "rows": rows})
+    settings = cd.run_settings(args, port=29519)
     total_s = time.perf_counter() - started
 
     import torch
