@@ -290,6 +290,7 @@ ARENA_MISMATCHES = [
     ("broadcast", [5000, 50], ["float32"] * 2),       # the root reads nobody's slot
     ("broadcast", [50, 5000, 5000], ["float32"] * 3),
     ("allgather", [2000, 100], ["float32"] * 2),
+    (["allreduce", "broadcast"], [2000, 2000], ["float32"] * 2),  # same bytes, other collective
 ]
 
 
@@ -299,12 +300,14 @@ def test_shm_calls_that_differ_fail_on_every_rank(collective, counts, dtypes):
 
     module = loopback.build()  # built before the clock starts
     start = time.monotonic()
-    errors = module.arena_calls(collective, counts, dtypes, 4096, 20.0)
+    collectives = collective if isinstance(collective, list) else [collective] * len(counts)
+    errors = module.arena_calls(collectives, counts, dtypes, 4096, 20.0)
     seconds = time.monotonic() - start
     for rank, err in enumerate(errors):
-        assert err, f"rank {rank} of {counts} {dtypes}: {collective} succeeded"
-        assert f"pycomm {collective} (shm): rank" in err, err
-        assert "(tensor sizes differ between ranks?)" in err or "(dtypes differ between ranks?)" in err, err
+        assert err, f"rank {rank} of {counts} {dtypes}: {collectives[rank]} succeeded"
+        assert f"pycomm {collectives[rank]} (shm): rank" in err, err
+        assert any(why in err for why in ("(tensor sizes differ between ranks?)", "(dtypes differ between ranks?)",
+                                          "(ranks called different collectives, or in a different order?)")), err
         assert "timed out" not in err, err
     assert seconds < 10, f"{seconds:.1f} s: the ranks waited (timeout 20 s)"
 
@@ -312,5 +315,5 @@ def test_shm_calls_that_differ_fail_on_every_rank(collective, counts, dtypes):
 def test_shm_calls_that_match_succeed():
     for collective in ("allreduce", "broadcast", "allgather"):
         for counts in ([0, 0], [2088] * 2, [10000] * 3):
-            assert loopback.build().arena_calls(collective, counts, ["float32"] * len(counts), 4096, 20.0) \
+            assert loopback.build().arena_calls([collective] * len(counts), counts, ["float32"] * len(counts), 4096, 20.0) \
                 == [""] * len(counts), (collective, counts)

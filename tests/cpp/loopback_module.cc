@@ -225,11 +225,11 @@ std::vector<std::tuple<std::vector<int64_t>, py::bytes>> allreduceCooRanks(
   return result;
 }
 
-// Ranks (threads) sharing an arena of `segmentBytes` slots run `collective`
-// (allreduce, broadcast from rank 0, allgather) with counts[r] elements of
-// dtypes[r] each, which may differ between ranks. Returns each rank's error
+// Ranks (threads) sharing an arena of `segmentBytes` slots: rank r runs
+// collectives[r] (allreduce, broadcast from rank 0, allgather) with counts[r]
+// elements of dtypes[r]; any of them may differ between ranks. Returns each rank's error
 // ("" when its call succeeded); never throws for a rank's failure.
-std::vector<std::string> arenaCalls(const std::string& collective, const std::vector<size_t>& counts,
+std::vector<std::string> arenaCalls(const std::vector<std::string>& collectives, const std::vector<size_t>& counts,
                                     const std::vector<std::string>& dtypes, size_t segmentBytes,
                                     double timeoutSeconds) {
   const int n = static_cast<int>(counts.size());
@@ -243,6 +243,7 @@ std::vector<std::string> arenaCalls(const std::string& collective, const std::ve
     const DataType dtype = dataTypeOf(dtypes[r]);
     const size_t bytes = counts[r] * elementSize(dtype);
     std::vector<char> buf(std::max<size_t>(bytes, 1)), all(std::max<size_t>(n * bytes, 1));
+    const std::string& collective = collectives[r];
     try {
       comm.begin(collective);
       if (collective == "allreduce") {
