@@ -10,8 +10,9 @@
 // the call (collective, bytes, root, dtype, op: ArenaOp in comm.h); at the first
 // step of a call every rank waits for every peer's post, even a root that reads
 // nobody's slot, so ranks whose calls differ (tensor sizes that differ between
-// ranks) all fail there with the difference, before any data is read. Collectives that send different data to different
-// ranks split a slot into one sub-slot per destination.
+// ranks) all fail there with the difference, before any data is read.
+// Collectives that send different data to different ranks split a slot into
+// one sub-slot per destination.
 //
 // pycomm.stats() counts what a point-to-point algorithm would have moved: a
 // rank "sends" the bytes of its slot that peers read (once per reader) and
