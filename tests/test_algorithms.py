@@ -275,3 +275,45 @@ def test_group_config_carries_every_knob():
     assert (options.bind_address, list(options.global_ranks), options.store_prefix) == ("10.0.0.1", [3, 5], "p/")
     defaults = config.load_config({})
     assert (defaults.shm_spread, defaults.debug) == (True, False)
+
+
+# Threads sharing an arena whose calls differ (ShmArena::Call, compared where a
+# peer's post is waited for): every rank fails at once naming the difference;
+# none finishes "successfully" while another waits. Slots of 4 KiB (1024 float32
+# per step, 4 in flight), so the sizes below span one step against many.
+ARENA_MISMATCHES = [
+    ("allreduce", [2088, 512], ["float32"] * 2),      # 3 steps vs 1 (the review's repro)
+    ("allreduce", [10000, 100], ["float32"] * 2),     # more steps than slots vs 1
+    ("allreduce", [0, 5], ["float32"] * 2),           # an empty call vs one step
+    ("allreduce", [3000, 3000, 700], ["float32"] * 3),  # split reduction, one rank differs
+    ("allreduce", [3000] * 3, ["float32", "float32", "int32"]),  # same bytes, other dtype
+    ("broadcast", [5000, 50], ["float32"] * 2),       # the root reads nobody's slot
+    ("broadcast", [50, 5000, 5000], ["float32"] * 3),
+    ("allgather", [2000, 100], ["float32"] * 2),
+    (["allreduce", "broadcast"], [2000, 2000], ["float32"] * 2),  # same bytes, other collective
+]
+
+
+@pytest.mark.parametrize("collective,counts,dtypes", ARENA_MISMATCHES)
+def test_shm_calls_that_differ_fail_on_every_rank(collective, counts, dtypes):
+    import time
+
+    module = loopback.build()  # built before the clock starts
+    start = time.monotonic()
+    collectives = collective if isinstance(collective, list) else [collective] * len(counts)
+    errors = module.arena_calls(collectives, counts, dtypes, 4096, 20.0)
+    seconds = time.monotonic() - start
+    for rank, err in enumerate(errors):
+        assert err, f"rank {rank} of {counts} {dtypes}: {collectives[rank]} succeeded"
+        assert f"pycomm {collectives[rank]} (shm): rank" in err, err
+        assert any(why in err for why in ("(tensor sizes differ between ranks?)", "(dtypes differ between ranks?)",
+                                          "(ranks called different collectives, or in a different order?)")), err
+        assert "timed out" not in err, err
+    assert seconds < 10, f"{seconds:.1f} s: the ranks waited (timeout 20 s)"
+
+
+def test_shm_calls_that_match_succeed():
+    for collective in ("allreduce", "broadcast", "allgather"):
+        for counts in ([0, 0], [2088] * 2, [10000] * 3):
+            assert loopback.build().arena_calls([collective] * len(counts), counts, ["float32"] * len(counts), 4096, 20.0) \
+                == [""] * len(counts), (collective, counts)

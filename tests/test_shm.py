@@ -315,3 +315,120 @@ def test_no_segment_left_in_dev_shm():
     from conftest import _dev_shm_leftovers
 
     assert _dev_shm_leftovers() == []
+
+
+# Ranks that call a collective with different sizes (or dtypes, roots): the
+# arena compares the call every step is posted with, so every rank of the call
+# fails at once naming the other, instead of reading a peer's slot as if it
+# matched (before: rank 0 of an all-reduce of 2088 vs 512 floats returned half
+# reduced, without an error). name -> (members, per-rank call).
+def _mismatch_allreduce(n, dtype=torch.float32):
+    def call(group):
+        import torch.distributed as dist
+
+        t = torch.ones(n, dtype=dtype)
+        dist.all_reduce(t, group=group)
+        return t
+    return call
+
+
+def _mismatch_broadcast(n):
+    def call(group):
+        import torch.distributed as dist
+
+        t = torch.ones(n)
+        dist.broadcast(t, src=0, group=group)
+        return t
+    return call
+
+
+def _mismatch_all_gather(n, members):
+    def call(group):
+        import torch.distributed as dist
+
+        parts = [torch.empty(n) for _ in members]
+        dist.all_gather(parts, torch.ones(n), group=group)
+        return parts
+    return call
+
+
+SIZE_MISMATCHES = {
+    # small vs small: the review's repro (whole-segment reduction, one step)
+    "all_reduce 2088 vs 512": ([0, 1], {0: _mismatch_allreduce(2088), 1: _mismatch_allreduce(512)}),
+    # one step against several (256 KiB slots, depth 4): the short call must not
+    # finish while the long one waits
+    "all_reduce 100 vs 200000": ([0, 1], {0: _mismatch_allreduce(100), 1: _mismatch_allreduce(200000)}),
+    "all_reduce 300000 vs 70000": ([0, 1], {0: _mismatch_allreduce(300000), 1: _mismatch_allreduce(70000)}),
+    # 3 ranks, split reduction: one rank differs
+    "all_reduce 3 ranks 100000 vs 5000": ([0, 1, 2], {0: _mismatch_allreduce(100000), 1: _mismatch_allreduce(100000),
+                                                      2: _mismatch_allreduce(5000)}),
+    # the root reads nobody's slot; it must fail too
+    "broadcast 2000 vs 500": ([0, 1], {0: _mismatch_broadcast(2000), 1: _mismatch_broadcast(500)}),
+    "broadcast 3 ranks 100000 vs 70000": ([0, 1, 2], {0: _mismatch_broadcast(100000), 1: _mismatch_broadcast(70000),
+                                                      2: _mismatch_broadcast(100000)}),
+    "all_gather 1000 vs 3000": ([0, 1], {0: _mismatch_all_gather(1000, [0, 1]),
+                                         1: _mismatch_all_gather(3000, [0, 1])}),
+    # same bytes, other dtype
+    "all_reduce float32 vs int32": ([0, 1], {0: _mismatch_allreduce(1000),
+                                             1: _mismatch_allreduce(1000, torch.int32)}),
+}
+
+
+def _size_mismatches(ctx):
+    import torch.distributed as dist
+
+    out = {}
+    for name, (members, calls) in SIZE_MISMATCHES.items():
+        ctx.progress(name)
+        group = dist.new_group(members)
+        if ctx.rank not in members:
+            continue
+        rec = {}
+        start = time.monotonic()
+        try:
+            calls[ctx.rank](group)
+            rec["error"] = None
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"
+        rec["seconds"] = time.monotonic() - start
+        # As after any failed collective, the group refuses later calls.
+        try:
+            dist.all_reduce(torch.ones(10), group=group)
+            rec["after"] = None
+        except Exception as e:  # noqa: BLE001
+            rec["after"] = f"{type(e).__name__}: {e}"
+        out[name] = rec
+    ctx.progress("the default group after the failed subgroups")
+    x = torch.ones(1000)
+    dist.all_reduce(x)
+    out["_default_ok"] = bool(torch.all(x == ctx.world_size))
+    return out
+
+
+def test_ranks_with_different_sizes_all_fail_at_once():
+    res = spawn_run(_size_mismatches, 3, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                    timeout_s=150, pg_timeout_s=30).check()
+    for name, (members, calls) in SIZE_MISMATCHES.items():
+        for rank in members:
+            rec = res.returns[rank][name]
+            err = rec["error"]
+            assert err is not None, f"{name}: rank {rank} returned without an error"
+            assert "(shm)" in err and ("were expected (tensor sizes differ between ranks?)" in err
+                                       or "was expected (dtypes differ between ranks?)" in err), \
+                f"{name}: rank {rank}: {err}"
+            assert "DistBackendError" in err, f"{name}: rank {rank}: {err}"
+            assert rec["seconds"] < 10, f"{name}: rank {rank} took {rec['seconds']:.1f} s (timeout 30 s)"
+            assert rec["after"] is not None, f"{name}: rank {rank}: the failed group still ran a collective"
+    # Each rank names a peer whose call differs from its own.
+    err = res.returns[0]["all_reduce 2088 vs 512"]["error"]
+    assert "rank 1 called with 2048 bytes where 8352 were expected" in err, err
+    err = res.returns[1]["all_reduce 2088 vs 512"]["error"]
+    assert "rank 0 called with 8352 bytes where 2048 were expected" in err, err
+    # With 3 ranks a rank may hear of the mismatch from another's abort first
+    # ("rank 1 aborted the group: rank 1 ... rank 2 called with 20000 bytes ...").
+    err = res.returns[2]["all_reduce 3 ranks 100000 vs 5000"]["error"]
+    assert "400000 bytes" in err and "20000" in err, err
+    err = res.returns[1]["all_reduce float32 vs int32"]["error"]
+    assert "rank 0 called with float32 where int32 was expected" in err, err
+    for rank in range(3):
+        assert res.returns[rank]["_default_ok"], f"rank {rank}: the default group was hurt"

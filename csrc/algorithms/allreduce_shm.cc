@@ -9,6 +9,11 @@
 // segments ago, so fast ranks run ahead by up to depth - 1 segments.
 // pycomm.stats() counts the bytes peers read from this rank's slot (once per
 // reader) as sent, those it reads from peers' slots as received.
+// Every step is posted with the call (allreduce, bytes, dtype, op) and every
+// rank waits for every peer's post of every step, so ranks whose calls differ
+// (tensor sizes that differ between ranks) all fail at the first step, before
+// anyone reads a peer's slot. An empty call still takes one step, so it too
+// meets the others' calls.
 // Results are bit-identical on every rank: in the split form each element is
 // reduced once, by one rank; in the whole form every rank reduces in rank order
 // (for SUM/PRODUCT of two ranks, commutativity makes the order irrelevant).
@@ -30,7 +35,7 @@ bool commutativeBitwise(ReduceOp op) { return op == ReduceOp::kSum || op == Redu
 }  // namespace
 
 void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op) {
-  if (comm.arena() == nullptr || count == 0) return;  // alone on its host
+  if (comm.arena() == nullptr) return;  // alone on its host
   ShmArena& arena = *comm.arena();
   const int n = arena.localSize();
   const int me = arena.localRank();
@@ -39,6 +44,15 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
   const int depth = arena.depth();
   char* data = static_cast<char*>(buf);
   uint64_t bytesIn = 0, bytesOut = 0;
+  const ShmArena::Call call = arenaCall(ArenaOp::kAllreduce, count * elem, dtype, op);
+  if (count == 0) {  // one step without data, to meet the others' calls
+    const uint64_t g = arena.nextSegment();
+    if (g >= static_cast<uint64_t>(depth)) comm.waitArenaAll(ShmArena::kConsumed, g - depth + 1);
+    arena.post(g, call);
+    comm.waitArenaAll(ShmArena::kPosted, g + 1);
+    arena.publish(ShmArena::kConsumed, g + 1);
+    return;
+  }
   for (size_t offset = 0; offset < count; offset += segmentElems) {
     const size_t elems = std::min(segmentElems, count - offset);
     const size_t bytes = elems * elem;
@@ -46,7 +60,7 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
     const uint64_t g = arena.nextSegment();
     if (g >= static_cast<uint64_t>(depth)) comm.waitArenaAll(ShmArena::kConsumed, g - depth + 1);
     std::memcpy(arena.slot(me, g), mine, bytes);
-    arena.publish(ShmArena::kPosted, g + 1);
+    arena.post(g, call);
     comm.waitArenaAll(ShmArena::kPosted, g + 1);
     if (n == 2 && commutativeBitwise(op)) {
       reduceInto(mine, arena.slot(1 - me, g), elems, dtype, op);

@@ -5,9 +5,14 @@
 // Each step of a collective is one arena segment g: a rank waits until its slot
 // for g is free (everyone consumed segment g - depth), fills it, publishes
 // kPosted, reads what it needs from the slots of the ranks it waits for, and
-// publishes kConsumed. Every rank takes part in every step, so segment indices
-// stay equal across ranks. Collectives that send different data to different
-// ranks split a slot into one sub-slot per destination.
+// publishes kConsumed. Every rank takes part in every step (an empty call takes
+// one), so segment indices stay equal across ranks. Each step is posted with
+// the call (collective, bytes, root, dtype, op: ArenaOp in comm.h); at the first
+// step of a call every rank waits for every peer's post, even a root that reads
+// nobody's slot, so ranks whose calls differ (tensor sizes that differ between
+// ranks) all fail there with the difference, before any data is read.
+// Collectives that send different data to different ranks split a slot into
+// one sub-slot per destination.
 //
 // pycomm.stats() counts what a point-to-point algorithm would have moved: a
 // rank "sends" the bytes of its slot that peers read (once per reader) and
@@ -23,7 +28,8 @@ namespace {
 
 class Steps {
  public:
-  explicit Steps(Comm& comm) : comm_(comm), arena_(*comm.arena()), me_(arena_.localRank()) {}
+  Steps(Comm& comm, const ShmArena::Call& call)
+      : comm_(comm), arena_(*comm.arena()), me_(arena_.localRank()), call_(call) {}
 
   // Starts the next step; returns this rank's slot for it.
   char* begin() {
@@ -34,8 +40,13 @@ class Steps {
   }
   // `bytesSent`: what peers will read of this step's slot, once per reader.
   void post(uint64_t bytesSent = 0) {
-    arena_.publish(ShmArena::kPosted, g_ + 1);
+    arena_.post(g_, call_);
     bytesIn_ += bytesSent;
+    if (first_) {  // every peer is in the same call (waitArena compares)
+      first_ = false;
+      for (int j = 0; j < size(); ++j)
+        if (j != me_) comm_.waitArena(j, ShmArena::kPosted, g_ + 1);
+    }
   }
   // Rank j's slot of this step, once j has posted it.
   const char* from(int j, uint64_t bytesOut = 0) {
@@ -61,6 +72,8 @@ class Steps {
   Comm& comm_;
   ShmArena& arena_;
   const int me_;
+  const ShmArena::Call call_;
+  bool first_ = true;
   uint64_t g_ = 0;
   uint64_t bytesIn_ = 0;
   uint64_t bytesOut_ = 0;
@@ -72,27 +85,38 @@ size_t part(size_t total, size_t offset, size_t unit) {
 
 size_t stepsFor(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit; }
 
+// Steps of `unit` for `bytes`; an empty call takes one step (without data).
+size_t atLeastOneStep(size_t bytes, size_t unit) { return std::max<size_t>(1, stepsFor(bytes, unit)); }
+
+size_t sum(const std::vector<size_t>& values) {
+  size_t total = 0;
+  for (size_t v : values) total += v;
+  return total;
+}
+
 }  // namespace
 
 void broadcastShm(Comm& comm, void* buf, size_t bytes, int root) {
-  Steps steps(comm);
+  Steps steps(comm, arenaCall(ArenaOp::kBroadcast, bytes, root));
   char* data = static_cast<char*>(buf);
-  for (size_t off = 0; off < bytes; off += steps.slotBytes()) {
+  const size_t rounds = atLeastOneStep(bytes, steps.slotBytes());
+  for (size_t s = 0; s < rounds; ++s) {
+    const size_t off = s * steps.slotBytes();
     const size_t len = part(bytes, off, steps.slotBytes());
     char* slot = steps.begin();
-    if (steps.rank() == root) std::memcpy(slot, data + off, len);
+    if (steps.rank() == root && len) std::memcpy(slot, data + off, len);
     steps.post(steps.rank() == root ? (steps.size() - 1) * len : 0);
-    if (steps.rank() != root) std::memcpy(data + off, steps.from(root, len), len);
+    if (steps.rank() != root && len) std::memcpy(data + off, steps.from(root, len), len);
     steps.end();
   }
 }
 
 void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes) {
-  Steps steps(comm);
+  Steps steps(comm, arenaCall(ArenaOp::kAllgather, sum(bytes)));
   const int n = steps.size();
   const int me = steps.rank();
   const size_t unit = steps.slotBytes();
-  const size_t rounds = stepsFor(*std::max_element(bytes.begin(), bytes.end()), unit);
+  const size_t rounds = atLeastOneStep(*std::max_element(bytes.begin(), bytes.end()), unit);
   for (size_t s = 0; s < rounds; ++s) {
     const size_t off = s * unit;
     char* slot = steps.begin();
@@ -109,13 +133,13 @@ void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vecto
 
 void reduceScatterShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
                       DataType dtype, ReduceOp op) {
-  Steps steps(comm);
+  Steps steps(comm, arenaCall(ArenaOp::kReduceScatter, sum(counts) * elementSize(dtype), dtype, op));
   const int n = steps.size();
   const int me = steps.rank();
   const size_t elem = elementSize(dtype);
   const size_t sub = steps.subSlotBytes();
   const size_t unit = sub / elem;  // elements per destination per step
-  const size_t rounds = stepsFor(*std::max_element(counts.begin(), counts.end()), unit);
+  const size_t rounds = atLeastOneStep(*std::max_element(counts.begin(), counts.end()), unit);
   for (size_t s = 0; s < rounds; ++s) {
     const size_t off = s * unit;
     char* slot = steps.begin();
@@ -136,17 +160,20 @@ void reduceScatterShm(Comm& comm, const std::vector<char*>& chunks, const std::v
 
 void gatherShm(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs,
                int root) {
-  Steps steps(comm);
+  Steps steps(comm, arenaCall(ArenaOp::kGather, bytes, root));
   const int n = steps.size();
   const int me = steps.rank();
   const char* in = static_cast<const char*>(input);
-  if (me == root && bytes > 0 && outputs[me] != in) std::memcpy(outputs[me], in, bytes);
-  for (size_t off = 0; off < bytes; off += steps.slotBytes()) {
+  const size_t rounds = atLeastOneStep(bytes, steps.slotBytes());
+  for (size_t s = 0; s < rounds; ++s) {
+    const size_t off = s * steps.slotBytes();
     const size_t len = part(bytes, off, steps.slotBytes());
     char* slot = steps.begin();
-    if (me != root) std::memcpy(slot, in + off, len);
+    if (me != root && len) std::memcpy(slot, in + off, len);
     steps.post(me != root ? len : 0);
-    if (me == root)
+    // The root's own part only once every rank's call is known to match.
+    if (s == 0 && me == root && bytes > 0 && outputs[me] != in) std::memcpy(outputs[me], in, bytes);
+    if (me == root && len)
       for (int j = 0; j < n; ++j)
         if (j != me) std::memcpy(outputs[j] + off, steps.from(j, len), len);
     steps.end();
@@ -155,27 +182,31 @@ void gatherShm(Comm& comm, const void* input, size_t bytes, const std::vector<ch
 
 void scatterShm(Comm& comm, const std::vector<const char*>& inputs, void* output, size_t bytes,
                 int root) {
-  Steps steps(comm);
+  Steps steps(comm, arenaCall(ArenaOp::kScatter, bytes, root));
   const int n = steps.size();
   const int me = steps.rank();
   char* out = static_cast<char*>(output);
-  if (me == root && bytes > 0 && inputs[me] != out) std::memcpy(out, inputs[me], bytes);
   const size_t sub = steps.subSlotBytes();
-  for (size_t off = 0; off < bytes; off += sub) {
+  const size_t rounds = atLeastOneStep(bytes, sub);
+  for (size_t s = 0; s < rounds; ++s) {
+    const size_t off = s * sub;
     const size_t len = part(bytes, off, sub);
     char* slot = steps.begin();
-    if (me == root)
+    if (me == root && len)
       for (int j = 0; j < n; ++j)
         if (j != me) std::memcpy(slot + j * sub, inputs[j] + off, len);
     steps.post(me == root ? (n - 1) * len : 0);
-    if (me != root) std::memcpy(out + off, steps.from(root, len) + me * sub, len);
+    // The root's own part only once every rank's call is known to match.
+    if (s == 0 && me == root && bytes > 0 && inputs[me] != out) std::memcpy(out, inputs[me], bytes);
+    if (me != root && len) std::memcpy(out + off, steps.from(root, len) + me * sub, len);
     steps.end();
   }
 }
 
 void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
                  const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes) {
-  Steps steps(comm);
+  // Ranks send different sizes: the call carries none, the table below checks them.
+  Steps steps(comm, arenaCall(ArenaOp::kAlltoall, 0));
   const int n = steps.size();
   const int me = steps.rank();
   const size_t sub = steps.subSlotBytes();
@@ -216,7 +247,7 @@ void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::v
 }
 
 void barrierShm(Comm& comm) {
-  Steps steps(comm);
+  Steps steps(comm, arenaCall(ArenaOp::kBarrier, 0));
   steps.begin();
   steps.post();
   for (int j = 0; j < steps.size(); ++j)

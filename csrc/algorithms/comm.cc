@@ -64,10 +64,71 @@ void Comm::wait(const RequestPtr& request) {
   if (request->failed()) fail(ErrorKind::kConnection, request->error());
 }
 
+namespace {
+
+// ShmArena::Call::what: op | dtype + 1 << 8 | reduce op + 1 << 16 | root + 1 << 32
+// (0: not part of this collective's call).
+constexpr uint64_t kNoField = 0;
+
+const char* arenaOpName(uint64_t op) {
+  switch (op) {
+    case static_cast<uint64_t>(ArenaOp::kAllreduce): return "allreduce";
+    case static_cast<uint64_t>(ArenaOp::kBroadcast): return "broadcast";
+    case static_cast<uint64_t>(ArenaOp::kAllgather): return "allgather";
+    case static_cast<uint64_t>(ArenaOp::kReduceScatter): return "reduce_scatter";
+    case static_cast<uint64_t>(ArenaOp::kGather): return "gather";
+    case static_cast<uint64_t>(ArenaOp::kScatter): return "scatter";
+    case static_cast<uint64_t>(ArenaOp::kAlltoall): return "alltoall";
+    case static_cast<uint64_t>(ArenaOp::kBarrier): return "barrier";
+  }
+  return "an unknown collective";
+}
+
+// Why `theirs` (posted by `peer`) is not `mine`, in the words of the TCP
+// algorithms' size checks.
+std::string callMismatch(const std::string& peer, const ShmArena::Call& theirs, const ShmArena::Call& mine) {
+  auto field = [](uint64_t what, int at) { return (what >> at) & 0xff; };
+  if (field(theirs.what, 0) != field(mine.what, 0))
+    return strCat(peer, " called ", arenaOpName(field(theirs.what, 0)), " where ", arenaOpName(field(mine.what, 0)),
+                  " was expected (ranks called different collectives, or in a different order?)");
+  if (theirs.bytes != mine.bytes)
+    return strCat(peer, " called with ", theirs.bytes, " bytes where ", mine.bytes,
+                  " were expected (tensor sizes differ between ranks?)");
+  if (field(theirs.what, 8) != field(mine.what, 8) && field(theirs.what, 8) != kNoField && field(mine.what, 8) != kNoField)
+    return strCat(peer, " called with ", dataTypeName(static_cast<DataType>(field(theirs.what, 8) - 1)), " where ",
+                  dataTypeName(static_cast<DataType>(field(mine.what, 8) - 1)),
+                  " was expected (dtypes differ between ranks?)");
+  if (field(theirs.what, 16) != field(mine.what, 16) && field(theirs.what, 16) != kNoField && field(mine.what, 16) != kNoField)
+    return strCat(peer, " called with ReduceOp.", reduceOpName(static_cast<ReduceOp>(field(theirs.what, 16) - 1)),
+                  " where ReduceOp.", reduceOpName(static_cast<ReduceOp>(field(mine.what, 16) - 1)), " was expected");
+  const auto rootOf = [](uint64_t what) { return static_cast<int64_t>(what >> 32) - 1; };
+  if (rootOf(theirs.what) != rootOf(mine.what))
+    return strCat(peer, " called with root ", rootOf(theirs.what), " where ", rootOf(mine.what), " was expected");
+  return strCat(peer, " made a different call (", theirs.bytes, " bytes, ", theirs.what, ") where (", mine.bytes,
+                " bytes, ", mine.what, ") was expected");
+}
+
+}  // namespace
+
+ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, int root) {
+  return {bytes, static_cast<uint64_t>(op) | static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 32};
+}
+
+ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, DataType dtype, ReduceOp reduce) {
+  return {bytes, static_cast<uint64_t>(op) | (static_cast<uint64_t>(dtype) + 1) << 8 |
+                     (static_cast<uint64_t>(reduce) + 1) << 16};
+}
+
 void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
   bool timedOut = false;
   const std::string failure = arena_->waitFor(peer, phase, value, deadline_, &timedOut);
-  if (failure.empty()) return;
+  if (failure.empty()) {
+    if (phase != ShmArena::kPosted) return;
+    const ShmArena::Call theirs = arena_->callOf(peer, value - 1);
+    const ShmArena::Call mine = arena_->callOf(arena_->localRank(), value - 1);
+    if (theirs == mine) return;
+    fail(ErrorKind::kConnection, callMismatch(transport_.rankName(arena_->members()[peer]), theirs, mine));
+  }
   const std::string peerName = transport_.rankName(arena_->members()[peer]);
   if (timedOut) {
     char seconds[32];

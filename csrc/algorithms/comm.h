@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "common/cost_model.h"
+#include "common/dtype.h"
 #include "common/error.h"
+#include "common/reduce_op.h"
 #include "transport/shm_arena.h"
 #include "transport/transport.h"
 
@@ -92,7 +94,11 @@ class Comm {
   // buffers persist and outlive any receive still posted into them.
   Comm& leaderComm();
   // Waits until local rank `peer` of the arena has published `phase` >= value,
-  // before the deadline; failures and timeouts throw like wait().
+  // before the deadline; failures and timeouts throw like wait(). For kPosted
+  // it then compares the Call the peer posted step value - 1 with (this rank
+  // posts before it waits) with this rank's: a peer in a different call (other
+  // tensor size, dtype, op, root or collective) fails the collective here, on
+  // every rank that reads the step.
   void waitArena(int peer, ShmArena::Phase phase, uint64_t value);
   // The same for every other local rank.
   void waitArenaAll(ShmArena::Phase phase, uint64_t value);
@@ -120,6 +126,15 @@ class Comm {
   std::vector<std::unique_ptr<char[]>> scratch_;
   std::vector<size_t> scratchBytes_;
 };
+
+// What an arena collective posts with each step (ShmArena::Call): the
+// collective, the bytes every rank must agree on, and where they matter the
+// dtype, reduce op and root.
+enum class ArenaOp : uint8_t {
+  kAllreduce = 1, kBroadcast, kAllgather, kReduceScatter, kGather, kScatter, kAlltoall, kBarrier
+};
+ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, int root = -1);
+ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, DataType dtype, ReduceOp reduce);
 
 // Splits `count` elements into `parts` near-equal chunks; returns the n+1 offsets.
 std::vector<size_t> balancedOffsets(size_t count, int parts);

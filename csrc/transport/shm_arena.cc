@@ -36,7 +36,7 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
                    int self, size_t slotBytes, int depth, bool spread)
     : members_(std::move(members)), slotBytes_(roundUp(slotBytes, 4096)), depth_(depth), spread_(spread) {
   auto it = std::find(members_.begin(), members_.end(), self);
-  PYCOMM_CHECK_INTERNAL(it != members_.end() && depth_ > 0, "bad arena membership");
+  PYCOMM_CHECK_INTERNAL(it != members_.end() && depth_ > 0 && depth_ <= kMaxDepth, "bad arena membership");
   static_assert(kControlsOffset >= sizeof(Header) && kControlsOffset % alignof(Control) == 0,
                 "control blocks misaligned");
   localRank_ = static_cast<int>(it - members_.begin());
@@ -79,6 +79,21 @@ void ShmArena::publish(Phase phase, uint64_t value) {
   c.counter[phase].store(value, std::memory_order_release);
   c.doorbell.fetch_add(1, std::memory_order_seq_cst);
   if (c.sleepers.load(std::memory_order_seq_cst) > 0) futexWakeAll(&c.doorbell);
+}
+
+void ShmArena::post(uint64_t segment, const Call& call) {
+  Control& c = control(localRank_);
+  const size_t at = segment % depth_;
+  // Relaxed: publish()'s release store of the counter orders them before it.
+  c.call[at][0].store(call.bytes, std::memory_order_relaxed);
+  c.call[at][1].store(call.what, std::memory_order_relaxed);
+  publish(kPosted, segment + 1);
+}
+
+ShmArena::Call ShmArena::callOf(int localRank, uint64_t segment) const {
+  const Control& c = control(localRank);
+  const size_t at = segment % depth_;
+  return {c.call[at][0].load(std::memory_order_relaxed), c.call[at][1].load(std::memory_order_relaxed)};
 }
 
 std::string ShmArena::peerFailure(int peer, bool checkAlive) {

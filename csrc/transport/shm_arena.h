@@ -6,7 +6,11 @@
 //
 // Every local rank runs the same sequence of arena collectives, so a segment
 // index (nextSegment) names the same step everywhere; slot `g % depth` carries
-// segment g.
+// segment g. Each step is posted with a Call (which collective, how many bytes,
+// ...; opaque here, encoded by algorithms/comm.cc) that peers compare where they
+// wait for the posted counter: ranks running different calls (tensor sizes that
+// differ between ranks) fail at the first step instead of reading each other's
+// slots as if they matched.
 #pragma once
 
 #include <sched.h>
@@ -45,6 +49,21 @@ class ShmArena {
   char* slot(int localRank, uint64_t segment) const;
 
   void publish(Phase phase, uint64_t value);
+
+  // What a step belongs to. Two words, opaque to the arena.
+  struct Call {
+    uint64_t bytes = 0;
+    uint64_t what = 0;
+    bool operator==(const Call& other) const { return bytes == other.bytes && what == other.what; }
+    bool operator!=(const Call& other) const { return !(*this == other); }
+  };
+  // Records `call` for `segment`, then publishes kPosted = segment + 1.
+  void post(uint64_t segment, const Call& call);
+  // The call local rank `localRank` posted `segment` with: valid once its
+  // kPosted reached segment + 1, until this rank publishes kConsumed for it
+  // (the slot, and its call, are not reused before).
+  Call callOf(int localRank, uint64_t segment) const;
+  static constexpr int kMaxDepth = 16;
   // Waits until local rank `peer` has published `phase` >= value. Returns "" on
   // success, else why not (timeout, a peer's abort, a dead peer); the caller
   // adds the op name. `timedOut` tells a timeout from the other failures.
@@ -78,6 +97,7 @@ class ShmArena {
     std::atomic<uint32_t> aborted;
     std::atomic<uint32_t> departed;
     std::atomic<int32_t> cpuPlusOne;  // CPU + 1 where this rank last waited (0: not yet)
+    std::atomic<uint64_t> call[kMaxDepth][2];  // per slot: the Call its step was posted with
     char reason[256];
   };
   Control& control(int localRank) const;

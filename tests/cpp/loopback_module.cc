@@ -225,6 +225,46 @@ std::vector<std::tuple<std::vector<int64_t>, py::bytes>> allreduceCooRanks(
   return result;
 }
 
+// Ranks (threads) sharing an arena of `segmentBytes` slots: rank r runs
+// collectives[r] (allreduce, broadcast from rank 0, allgather) with counts[r]
+// elements of dtypes[r]; any of them may differ between ranks. Returns each rank's error
+// ("" when its call succeeded); never throws for a rank's failure.
+std::vector<std::string> arenaCalls(const std::vector<std::string>& collectives, const std::vector<size_t>& counts,
+                                    const std::vector<std::string>& dtypes, size_t segmentBytes,
+                                    double timeoutSeconds) {
+  const int n = static_cast<int>(counts.size());
+  MemoryStore store;
+  std::vector<int> everyone(n);
+  for (int r = 0; r < n; ++r) everyone[r] = r;
+  std::vector<std::string> errors(n);
+  runLoopbackRanks(n, timeoutSeconds, [&](Comm& comm, int r) {
+    ShmArena arena(store, "loopback/", everyone, r, segmentBytes, kArenaDepth, /*spread=*/true);
+    comm.setArena(&arena);
+    const DataType dtype = dataTypeOf(dtypes[r]);
+    const size_t bytes = counts[r] * elementSize(dtype);
+    std::vector<char> buf(std::max<size_t>(bytes, 1)), all(std::max<size_t>(n * bytes, 1));
+    const std::string& collective = collectives[r];
+    try {
+      comm.begin(collective);
+      if (collective == "allreduce") {
+        allreduce(comm, buf.data(), counts[r], dtype, ReduceOp::kSum, findAllreduceAlgorithm("shm"));
+      } else if (collective == "broadcast") {
+        broadcast(comm, buf.data(), bytes, 0);
+      } else if (collective == "allgather") {
+        std::vector<char*> chunks;
+        for (int i = 0; i < n; ++i) chunks.push_back(all.data() + i * bytes);
+        allgather(comm, chunks, std::vector<size_t>(n, bytes));
+      } else {
+        throw std::invalid_argument("unknown collective " + collective);
+      }
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+    arena.leave();
+  }, segmentBytes);
+  return errors;
+}
+
 void setCpuIsa(const std::string& name) {
   CpuIsa isa = bestCpuIsa();
   if (name != "auto" && !parseCpuIsa(name, &isa)) throw py::value_error("unknown instruction set " + name);
@@ -240,6 +280,7 @@ PYBIND11_MODULE(pycomm_loopback, m) {
   m.def("allreduce_quantized", &pycomm::allreduceQuantizedRanks);
   m.def("allreduce_sparse", &pycomm::allreduceSparseRanks);
   m.def("allreduce_coo", &pycomm::allreduceCooRanks);
+  m.def("arena_calls", &pycomm::arenaCalls);
   // This module has its own copy of the reduction kernels: tests choosing an
   // instruction set for pycomm._C.kernels choose it here too.
   m.def("set_cpu_isa", &pycomm::setCpuIsa);
