@@ -171,11 +171,16 @@ def test_crowded_ranks_spread_over_their_cpus():
     four on one CPU would make every call wait for that CPU (the scheduler leaves
     such a 3:1 placement alone). The arena moves the crowded rank (once, by
     pinning and restoring the mask), never a rank the user pinned."""
-    res = spawn_run(_crowded_ranks, 4, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
-                    timeout_s=120, pg_timeout_s=30).check()
-    outs = [res.returns[r] for r in range(4)]
-    assert all(o["pinned_cpu"] == 0 and o["pinned_mask"] == [0] for o in outs), outs
-    assert [o["start_cpu"] for o in outs] == [0, 0, 0, 1], outs  # the crowding took
+    # The 3:1 start is set up by pinning, but the kernel may balance the ranks itself before
+    # they look (seen once in CI: [0, 0, 1, 1]); then there is nothing to move, so set it up again
+    for attempt in range(3):
+        res = spawn_run(_crowded_ranks, 4, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
+                        timeout_s=120, pg_timeout_s=30).check()
+        outs = [res.returns[r] for r in range(4)]
+        assert all(o["pinned_cpu"] == 0 and o["pinned_mask"] == [0] for o in outs), outs
+        if [o["start_cpu"] for o in outs] == [0, 0, 0, 1]:
+            break
+    assert [o["start_cpu"] for o in outs] == [0, 0, 0, 1], outs  # the crowding took (in 3 attempts)
     assert all(o["ok"] and o["spread_mask"] == [0, 1] for o in outs), outs
     # After call i every rank has finished call i - 1: compare placements call by
     # call over the last 200 calls. The kernel may undo a move for a while (its
