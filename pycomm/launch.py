@@ -39,8 +39,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
-                 payload: Any, result_path: str, expected_errors: Tuple[str, ...]) -> None:
+def run_rank(rank: int, world_size: int, init_method: str, worker: Callable, payload: Any,
+             result_path: str, expected_errors: Tuple[str, ...]) -> int:
+    """One rank of a launch: ``worker`` with torch's threads shared among the ranks of this
+    host, rank 0's result pickled to ``result_path``. Returns the exit code: 1 (after one
+    line naming the rank) for an expected usage error, 0 otherwise; other errors raise.
+    Used by spawned ranks here and by the ranks pycomm-bench --hosts starts in namespaces."""
     if world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -49,12 +53,20 @@ def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
         if not str(exc).startswith(expected_errors):
             raise
         print(f"{exc} (rank {rank})", file=sys.stderr, flush=True)
-        sys.exit(1)
+        return 1
     if rank == 0:
         tmp = result_path + ".tmp"
         with open(tmp, "wb") as handle:
             pickle.dump(result, handle)
         os.replace(tmp, result_path)
+    return 0
+
+
+def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
+                 payload: Any, result_path: str, expected_errors: Tuple[str, ...]) -> None:
+    code = run_rank(rank, world_size, init_method, worker, payload, result_path, expected_errors)
+    if code:
+        sys.exit(code)
 
 
 def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, payload: Any, *,

@@ -169,27 +169,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ``python -m pycomm.bench.hosts RANK WORLD INIT_METHOD CFG.pkl RESULT.pkl``."""
     rank_text, world_text, init_method, payload, result_path = (argv if argv is not None else sys.argv[1:])
     rank, world = int(rank_text), int(world_text)
-    import torch
-
+    from ..launch import run_rank
     from .harness import bench_worker
 
-    if world > 1:  # as pycomm.launch does for spawned ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     with open(payload, "rb") as handle:
         cfg = pickle.load(handle)
-    try:
-        result = bench_worker(rank, world, init_method, cfg)
-    except (RuntimeError, ValueError) as exc:
-        if not str(exc).startswith(PREFIX):
-            raise
-        print(f"{exc} (rank {rank})", file=sys.stderr, flush=True)
-        return 1
-    if rank == 0:
-        tmp = result_path + ".tmp"
-        with open(tmp, "wb") as handle:
-            pickle.dump(result, handle)
-        os.replace(tmp, result_path)
-    return 0
+    return run_rank(rank, world, init_method, bench_worker, cfg, result_path, (PREFIX,))
 
 
 if __name__ == "__main__":
