@@ -231,6 +231,22 @@ def _recorded(name):
     return data["meta"], {(r["algo"], r["size_bytes"]): r["time_us"] * 1e-6 for r in data["rows"] if not r["peer"]}
 
 
+def test_ranks_sharing_a_host_link():
+    # 4 hosts x 4 ranks, laid out host by host. The ring puts one edge per host on the
+    # link (2P); halving/doubling's steps between hosts put all 4 ranks of a host on it
+    # at once (2 L S (H-1)/H); only rank 0's children off its host (distance 4, 8) load
+    # the tree's link. Without hosts (every rank a host of its own) nothing is shared.
+    m = model(alpha=10e-6, beta=1e-9, gamma=0.0, cpu_beta=0.0)
+    a, b = m["alpha"], m["beta"]
+    shared = costs(S, 16, hosts=4, values=m)
+    assert shared["ring"] == pytest.approx(30 * a + 2 * 15 / 16 * S * b)
+    assert shared["sharded"] == pytest.approx(8 * a + 2 * 4 * 3 / 4 * S * b)
+    assert shared["tree"] == pytest.approx(8 * a + 4 * S * b)
+    alone = costs(S, 16, values=m)
+    assert alone["sharded"] == pytest.approx(8 * a + 2 * 15 / 16 * S * b)
+    assert alone["tree"] == pytest.approx(8 * a + 8 * S * b)
+
+
 @pytest.mark.parametrize("name", ["multihost_2hosts_1gbit.json", "multihost_4hosts_1gbit.json"])
 def test_predicts_recorded_tbf_runs_within_25_percent(name):
     # Committed measurements across namespaces at 1 Gbit/s (tbf on each host's egress):

@@ -10,11 +10,15 @@
 //   ring:    2(n-1) alpha + max(2P beta, cpu(2P cpuBeta + P gamma))
 //   sharded: 2k alpha + the same byte terms   (power-of-two n: halving/doubling)
 //            2 alpha + (n-1) delta + the same byte terms   (other n: n-1 messages in flight)
+//            L > 1 ranks on each of H hosts: the link term is 2 L S (H-1)/H beta (all
+//            L ranks of a host exchange across hosts at once; the ring's layout puts one
+//            edge per host on the link)
 //   tree:    2k alpha + max(reduce + broadcast, o (n-1)/n S (2 cpuBeta + gamma)),
 //            reduce = max(k S beta, k S (cpuBeta/2 + gamma)) (the root takes k children's
 //            S, each over its own link when only egress is limited: S beta), broadcast =
 //            max(k S beta, k S cpuBeta/2) (the root sends S to k children); the two run
-//            one after the other (tree.cc), each pipelined by segment
+//            one after the other (tree.cc), each pipelined by segment; with L ranks per
+//            host only the k - log2 L children off rank 0's host load its link
 //   shm:     2 shmAlpha + cpu(2P shmBeta + P gamma)   (one host: through the arena)
 //   hierarchical: shm inside each host (L ranks), the cheapest network algorithm
 //            among the H host leaders, then a broadcast inside each host
@@ -74,12 +78,26 @@ double ringCost(size_t bytes, const Topology& t) {
   return 2.0 * (n - 1) * m.alpha + shareTerms(bytes, t);
 }
 
+// Ranks per host when the group spans several hosts with several ranks each (ranks laid
+// out host by host), else 1: the ranks of a host then share its link.
+int ranksPerHost(const Topology& t) { return t.hosts > 1 && t.hosts < t.ranks ? (t.ranks + t.hosts - 1) / t.hosts : 1; }
+
 double shardedCost(size_t bytes, const Topology& t) {
   const CostModel& m = t.cost;
   const int n = t.ranks;
   if (n <= 2) return kNever;  // on two ranks: the ring without its pipeline
   const bool powerOfTwo = (n & (n - 1)) == 0;
-  return (powerOfTwo ? 2.0 * log2Steps(n) * m.alpha : 2.0 * m.alpha + (n - 1) * m.delta) + shareTerms(bytes, t);
+  const double messages = powerOfTwo ? 2.0 * log2Steps(n) * m.alpha : 2.0 * m.alpha + (n - 1) * m.delta;
+  // L ranks per host: the exchanges between hosts (halving's first steps, or every
+  // owner off the host) put all L ranks on the host's link at once, 2 L S (H-1)/H bytes
+  // each way where the ring's one edge per host carries 2P.
+  const int local = ranksPerHost(t);
+  if (local > 1) {
+    const double hosts = static_cast<double>(t.hosts);
+    const double link = 2.0 * local * (hosts - 1.0) / hosts * bytesOf(bytes) * m.beta;
+    return messages + std::max(link, shareTerms(bytes, t));
+  }
+  return messages + shareTerms(bytes, t);
 }
 
 // tree.cc: a binomial reduce to rank 0, then a binomial broadcast from it. Rank 0 has
@@ -89,8 +107,12 @@ double treeCost(size_t bytes, const Topology& t) {
   const int n = std::max(t.ranks, 2);
   const double k = log2Steps(n);
   const double s = bytesOf(bytes);
-  const double reduce = std::max((t.ingressLimited ? k : 1.0) * s * m.beta, k * s * (0.5 * m.cpuBeta + m.gamma));
-  const double broadcast = std::max(k * s * m.beta, k * s * 0.5 * m.cpuBeta);
+  // Rank 0's children off its host (ranks laid out host by host, L per host: the
+  // children at distance L and beyond) are the ones its link carries.
+  const double remote = std::max(1.0, k - std::floor(std::log2(static_cast<double>(ranksPerHost(t)))));
+  const double reduce =
+      std::max((t.ingressLimited ? remote : 1.0) * s * m.beta, k * s * (0.5 * m.cpuBeta + m.gamma));
+  const double broadcast = std::max(remote * s * m.beta, k * s * 0.5 * m.cpuBeta);
   // Oversubscribed, every edge's two transfers and every reduction share the cores.
   const double shared = t.oversubscription * (n - 1) / n * s * (2.0 * m.cpuBeta + m.gamma);
   return 2.0 * k * m.alpha + std::max(reduce + broadcast, shared);
