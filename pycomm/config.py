@@ -75,7 +75,10 @@ ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_S
 ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
 # The constants of the cost model (csrc/common/cost_model.h), as named in Python.
-COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta")
+COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta")
+# Fields a calibration made before they existed may lack, and what they then are
+# (cpu_beta 0: the link's beta stood for the TCP copies too).
+_COST_FIELD_DEFAULTS = {"cpu_beta": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +145,8 @@ def read_cost_model(path: str) -> dict:
     try:
         with open(path) as handle:
             data = json.load(handle)
-        model = {name: float(data["model"][name]) for name in COST_FIELDS}
+        model = {name: float(data["model"][name] if name in data["model"] or name not in _COST_FIELD_DEFAULTS
+                             else _COST_FIELD_DEFAULTS[name]) for name in COST_FIELDS}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"pycomm: {path} is not a pycomm cost-model calibration ({exc}); "
                          "make one with python -m pycomm.plan --calibrate") from None

@@ -3,28 +3,36 @@
     python -m pycomm.plan --calibrate                 # measure this host, cache it
     python -m pycomm.plan --hosts 4 --ranks-per-host 8 --bandwidth 10gbit --latency 20us
     python -m pycomm.plan --extrapolate --plot plan.png
-    python -m pycomm.plan --validate                  # predicted against measured, here
+    python -m pycomm.plan --validate --out t.txt     # predicted against measured, namespaces (root)
+    python -m pycomm.plan --validate-local            # predicted against measured, this host
 
 The model is the one `auto` uses (csrc/algorithms/allreduce_registry.cc, read through
-``pycomm._C.allreduce_costs``): a message costs alpha plus bytes * beta, reducing costs
-gamma per byte, the shared-memory arena has its own shm_alpha and shm_beta, and each
-algorithm is a formula over them (ring, sharded = halving/doubling, tree, shm,
-hierarchical). The compressed all-reduces are modelled here, in Python, since `auto`
-never picks them (a hook does): the dense sharded exchange on the compressed bytes plus
-the measured encode and decode time per input byte.
+``pycomm._C.allreduce_costs``; docs/planner.md): a message costs alpha, a byte beta on
+the link and cpu_beta of TCP copies at its two ends (a phase takes the larger of link
+and CPU), reducing costs gamma per byte, the shared-memory arena has its own shm_alpha
+and shm_beta, and each algorithm is a formula over them (ring, sharded =
+halving/doubling, tree, shm, hierarchical). A topology adds its ranks per core
+(oversubscription: the CPU terms scale by it) and whether links limit ingress (a NIC)
+or egress only (tc tbf on the namespace hosts). The compressed all-reduces are
+modelled here, in Python, since `auto` never picks them (a hook does): the dense
+sharded exchange on the compressed bytes plus the measured encode and decode time per
+input byte.
 
 ``--calibrate`` fits the constants to pycomm's own benchmark on this host (2 ranks:
-ring over TCP for alpha and beta, the shared-memory algorithm for shm_alpha and
-shm_beta, the reduction kernel for gamma, the compression kernels for their encode
-cost) and caches them (pycomm.config.cost_cache_path); groups created afterwards on
-this host use them (PYCOMM_COST_MODEL). A topology is hosts x ranks per host with a link
-bandwidth and latency: beta = 1/bandwidth and alpha = latency + the per-message overhead
-measured here.
+ring over TCP loopback for alpha and cpu_beta, beta 0 since no link limits loopback,
+the shared-memory algorithm for shm_alpha and shm_beta, the reduction kernel for gamma,
+the compression kernels for their encode cost) and caches them
+(pycomm.config.cost_cache_path); groups created afterwards on this host use them
+(PYCOMM_COST_MODEL). A topology is hosts x ranks per host with a link bandwidth and
+latency: beta = 1/bandwidth and alpha = latency + the per-message overhead measured
+here. ``--validate`` does the same on network namespaces and compares predicted with
+measured for 2, 4 and 8 hosts with and without a tbf rate.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -38,6 +46,7 @@ from . import _C
 from .config import COST_FIELDS, cost_cache_path, read_cost_model
 
 __all__ = ["DEFAULT_MODEL", "Topology", "predict", "winners", "break_even_gbps", "calibrate", "validate",
+           "calibrate_netns", "link_model", "validate_hosts", "validation_table", "oversubscription",
            "load_calibration", "save_calibration", "main"]
 
 PREFIX = "pycomm plan:"
@@ -50,14 +59,24 @@ SIZES = tuple(1 << e for e in range(10, 31, 2))  # 1 KiB .. 1 GiB
 
 
 class Topology:
-    """hosts x ranks_per_host, with the link between hosts (None: this host's model)."""
+    """hosts x ranks_per_host, with the link between hosts (None: this host's model).
+    ``oversubscription``: ranks per CPU core on the most loaded machine (above 1 the
+    CPU-bound terms scale by it); ``ingress_limited``: False where only each host's
+    egress is limited (tc tbf in pycomm/netns.py), True for a real NIC."""
 
     def __init__(self, hosts: int, ranks_per_host: int, gbps: Optional[float] = None,
-                 latency_s: Optional[float] = None):
+                 latency_s: Optional[float] = None, oversubscription: float = 1.0, ingress_limited: bool = True):
         if hosts < 1 or ranks_per_host < 1:
             raise ValueError(f"{PREFIX} hosts and ranks per host must be >= 1 (got {hosts} x {ranks_per_host})")
         self.hosts, self.ranks_per_host = hosts, ranks_per_host
         self.gbps, self.latency_s = gbps, latency_s
+        self.oversubscription, self.ingress_limited = float(oversubscription), bool(ingress_limited)
+
+    def shape(self) -> dict:
+        """The keyword arguments of _C.allreduce_costs / _C._select_algorithm after the size."""
+        return {"world_size": self.ranks, "one_host": self.hosts == 1,
+                "hosts": self.hosts if self.hosts > 1 else 0, "oversubscription": self.oversubscription,
+                "ingress_limited": self.ingress_limited}
 
     @property
     def ranks(self) -> int:
@@ -81,7 +100,7 @@ class Topology:
 def _cost_object(model: Dict[str, float]):
     cost = _C.CostModel()
     for name in COST_FIELDS:
-        setattr(cost, name, float(model[name]))
+        setattr(cost, name, float(model.get(name, DEFAULT_MODEL[name])))
     return cost
 
 
@@ -92,9 +111,7 @@ def predict(model: Dict[str, float], topology: Topology, nbytes: int,
     per input byte, "topk" and "quantize") the compressed all-reduces ("topk d=0.01",
     "quantize 8-bit", ...)."""
     m = topology.model(model)
-    one_host = topology.hosts == 1
-    hosts = topology.hosts if topology.hosts > 1 else 0
-    out = dict(_C.allreduce_costs(int(nbytes), topology.ranks, one_host, hosts, _cost_object(m)))
+    out = dict(_C.allreduce_costs(int(nbytes), cost=_cost_object(m), **topology.shape()))
     if codec:
         out.update(_compressed(m, topology, nbytes, codec))
     return out
@@ -109,15 +126,19 @@ def _compressed(m: Dict[str, float], topology: Topology, nbytes: int, codec: Dic
     if n < 2:
         return {}
     steps = 2.0 * math.ceil(math.log2(n))
+    # A byte on the wire: the link or the TCP copies, whichever is slower (as the dense
+    # formulas); the codecs are CPU time of their own, scaled by the ranks per core.
+    per_byte = max(m["beta"], m.get("cpu_beta", 0.0) * max(1.0, topology.oversubscription))
+    cpu = max(1.0, topology.oversubscription)
     out = {}
     for density in DENSITIES:
         wire = 2.0 * density * nbytes
-        out[f"topk d={density:g}"] = (steps * m["alpha"] + 2.0 * (n - 1) / n * wire * m["beta"]
-                                      + nbytes * codec["topk"])
+        out[f"topk d={density:g}"] = (steps * m["alpha"] + 2.0 * (n - 1) / n * wire * per_byte
+                                      + cpu * nbytes * codec["topk"])
     for bits in BITS:
         wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
-        out[f"quantize {bits}-bit"] = (steps * m["alpha"] + 2.0 * (n - 1) / n * wire * m["beta"]
-                                       + nbytes * codec["quantize"] + (n - 1) / n * wire * m["gamma"])
+        out[f"quantize {bits}-bit"] = (steps * m["alpha"] + 2.0 * (n - 1) / n * wire * per_byte
+                                       + cpu * (nbytes * codec["quantize"] + (n - 1) / n * wire * m["gamma"]))
     return out
 
 
@@ -130,24 +151,25 @@ def winners(costs: Dict[str, float]) -> Tuple[str, str]:
 def break_even_gbps(model: Dict[str, float], topology: Topology, nbytes: int, name: str,
                     codec: Optional[Dict[str, float]] = None) -> Optional[float]:
     """The link speed (Gbit/s) below which the compressed all-reduce ``name`` beats the
-    best dense network algorithm at ``nbytes``: both are linear in beta, so it is where
-    the lines cross. None when it never pays (or always does: inf)."""
-    def line(gbps):
-        t = Topology(topology.hosts, topology.ranks_per_host, gbps, topology.latency_s)
+    best dense network algorithm at ``nbytes``; None when it never pays (even at 1
+    Mbit/s), inf when it always does (even at 10 Tbit/s). Where the TCP copies are
+    slower than the link (cpu_beta) both sides stop depending on the link, so the
+    crossing is found by bisection in log space rather than by intersecting lines."""
+    def gain(gbps):  # > 0 where compression wins
+        t = Topology(topology.hosts, topology.ranks_per_host, gbps, topology.latency_s,
+                     topology.oversubscription, topology.ingress_limited)
         costs = predict(model, t, nbytes, codec)
         dense = min(v for k, v in costs.items() if k in ("ring", "sharded", "tree"))
-        return dense, costs[name]
-    # Two points give each line: beta = 8/(gbps 1e9).
-    (d1, c1), (d2, c2) = line(1.0), line(1000.0)
-    b1, b2 = 8.0 / 1e9, 8.0 / 1e12
-    slope_d, slope_c = (d1 - d2) / (b1 - b2), (c1 - c2) / (b1 - b2)
-    icpt_d, icpt_c = d1 - slope_d * b1, c1 - slope_c * b1
-    if slope_d <= slope_c:
-        return None if icpt_c >= icpt_d else math.inf
-    beta = (icpt_c - icpt_d) / (slope_d - slope_c)
-    if beta <= 0:
+        return dense - costs[name]
+    lo, hi = 1e-3, 1e4
+    if gain(lo) <= 0:
+        return None
+    if gain(hi) > 0:
         return math.inf
-    return 8.0 / beta / 1e9
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if gain(mid) > 0 else (lo, mid)
+    return hi
 
 
 # ---------------------------------------------------------------------------
@@ -232,21 +254,22 @@ def _kernel_costs(nbytes: int = 16 << 20) -> Tuple[float, Dict[str, float]]:
 
 def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) -> dict:
     """Measure this host's constants (2 ranks); returns the calibration (model, codec,
-    the measured points)."""
+    the measured points). Over TCP loopback no link limits a byte, the CPU does: beta is
+    0 and the ring's time per byte is cpu_beta (plus gamma/2)."""
     gamma, codec = _kernel_costs()
-    # 2-rank ring (allreduce_registry.cc): 2 alpha + (S + 4097) beta + S/2 gamma.
+    # 2-rank ring (allreduce_registry.cc), beta 0: 2 alpha + S cpu_beta + S/2 gamma.
     tcp = _sweep("ring", "tcp", max_bytes, iters)
     a, b = _fit_regimes(tcp)
-    beta = max(b - gamma / 2.0, 1e-12)
-    alpha = max((a - 4097 * beta) / 2.0, 1e-7)
     # 2-rank shm: 2 shm_alpha + S shm_beta + S/2 gamma.
     shm = _sweep("shm", "auto", max_bytes, iters)
     sa, sb = _fit_regimes(shm)
-    model = {"alpha": alpha, "beta": beta, "gamma": gamma, "delta": DEFAULT_MODEL["delta"],
-             "shm_alpha": max(sa / 2.0, 1e-8), "shm_beta": max(sb - gamma / 2.0, 1e-13)}
+    model = {"alpha": max(a / 2.0, 1e-7), "beta": 0.0, "gamma": gamma, "delta": DEFAULT_MODEL["delta"],
+             "shm_alpha": max(sa / 2.0, 1e-8), "shm_beta": max(sb - gamma / 2.0, 1e-13),
+             "cpu_beta": max(b - gamma / 2.0, 1e-12)}
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "model": model, "codec": codec, "points": {"ring_tcp": tcp, "shm": shm},
-                   "note": "delta is the built-in default (not measured: it needs 3+ ranks)"}
+                   "note": "beta 0: TCP loopback has no link limit, cpu_beta is its cost per byte; "
+                           "delta is the built-in default (not measured: it needs 3+ ranks)"}
     if verbose:
         print(f"# calibrated on {calibration['host']}: " + ", ".join(f"{k} {_fmt_const(k, v)}"
                                                                    for k, v in model.items()))
@@ -255,7 +278,7 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) 
 
 def _fmt_const(name: str, value: float) -> str:
     if "beta" in name or name == "gamma":
-        return f"{1.0 / value / 1e9:.2f} GB/s" if value > 0 else "0"
+        return f"{1.0 / value / 1e9:.2f} GB/s" if value > 0 else "0 (free)"
     return f"{value * 1e6:.1f} us"
 
 
@@ -298,8 +321,7 @@ def table(model, codec, topology: Topology, sizes: Sequence[int] = SIZES) -> Lis
     lines.append(f"{'size':>9} " + " ".join(f"{n[:15]:>15}" for n in names) + f" {'auto':>12} {'best':>16}")
     for nbytes in sizes:
         costs = predict(model, topology, nbytes, codec)
-        auto = _C._select_algorithm(nbytes, topology.ranks, topology.hosts == 1,
-                                    topology.hosts if topology.hosts > 1 else 0, _cost_object(topology.model(model)))
+        auto = _C._select_algorithm(nbytes, cost=_cost_object(topology.model(model)), **topology.shape())
         lines.append(f"{_size(nbytes):>9} " + " ".join(f"{costs[n] * 1e6:>15.1f}" for n in names)
                      + f" {auto:>12} {winners(costs)[1]:>16}")
     return lines
@@ -319,9 +341,25 @@ EXTRAPOLATE = [(64, 8), (512, 8), (4096, 8)]
 LINKS = [(100.0, 5e-6), (10.0, 20e-6)]  # Gbit/s, one-way latency between hosts
 
 
+def _network_only(model: Dict[str, float]) -> Dict[str, float]:
+    """The extrapolation's model: this host's per-message overhead, reduction and
+    shared-memory constants, but no TCP copy cost per byte (cpu_beta 0): one TCP stream
+    on this small VM moves about 1 GB/s, which says nothing of a 100 Gbit/s host."""
+    return dict(model, cpu_beta=0.0)
+
+
+def _crossing(model, topology: Topology, fast: str, slow: str, sizes: Sequence[int]) -> Optional[int]:
+    """The largest size at which ``fast`` is still predicted cheaper than ``slow``."""
+    below = [n for n in sizes if (lambda c: c[fast] < c[slow])(predict(model, topology, n))]
+    return max(below) if below else None
+
+
 def extrapolation(model, codec) -> List[str]:
-    lines = ["# extrapolation: 8 ranks per host; network algorithms among the host leaders "
-             "(what hierarchical runs between hosts), and flat over every rank"]
+    model = _network_only(model)
+    sizes = [1 << e for e in range(8, 31)]
+    lines = ["# extrapolation: 8 ranks per host, cpu_beta 0 (the link, not this VM's TCP copies, carries a "
+             "byte); network algorithms among the host leaders (what hierarchical runs between hosts), "
+             "and flat over every rank"]
     for gbps, latency in LINKS:
         for ranks, per_host in EXTRAPOLATE:
             hosts = ranks // per_host
@@ -329,17 +367,21 @@ def extrapolation(model, codec) -> List[str]:
             flat = Topology(hosts, per_host, gbps, latency)
             crossings = []
             previous = None
-            for nbytes in [1 << e for e in range(8, 31)]:
-                costs = {k: v for k, v in predict(model, leaders, nbytes, codec).items() if k in ("ring", "sharded", "tree")}
+            for nbytes in sizes:
+                costs = {k: v for k, v in predict(model, leaders, nbytes).items() if k in DENSE}
                 best = min(costs, key=costs.get)
                 if best != previous:
                     crossings.append(f"{best} from {_size(nbytes)}")
                     previous = best
-            hier = predict(model, flat, 64 << 20, codec)
+            tree_flat = _crossing(model, flat, "tree", "ring", sizes)
+            small, big = predict(model, flat, 64 << 10), predict(model, flat, 64 << 20)
             lines.append(f"{ranks:>5} ranks ({hosts} hosts), {gbps:g} Gbit/s, {latency * 1e6:g} us: leaders: "
                          + ", ".join(crossings)
-                         + f"; 64 MiB hierarchical {hier['hierarchical'] * 1e3:.1f} ms vs flat ring "
-                         f"{hier['ring'] * 1e3:.1f} ms")
+                         + "; flat: tree beats ring up to "
+                         + (_size(tree_flat) if tree_flat else "never")
+                         + f"; 64 KiB ring {small['ring'] * 1e3:.2f} ms, tree {small['tree'] * 1e3:.2f} ms, "
+                         f"hierarchical {small['hierarchical'] * 1e3:.2f} ms; 64 MiB ring {big['ring'] * 1e3:.1f} ms, "
+                         f"hierarchical {big['hierarchical'] * 1e3:.1f} ms")
     return lines
 
 
@@ -354,7 +396,7 @@ def write_plot(model, codec, path: str) -> None:
         for col, (ranks, per_host) in enumerate(EXTRAPOLATE):
             ax = axes[row][col]
             topology = Topology(ranks // per_host, per_host, gbps, latency)
-            costs = [predict(model, topology, s, codec) for s in sizes]
+            costs = [predict(_network_only(model), topology, s, codec) for s in sizes]
             for name in ("ring", "sharded", "tree", "hierarchical", "topk d=0.01", "quantize 8-bit"):
                 if name in costs[0]:
                     ax.plot(sizes, [c[name] for c in costs], "--" if " " in name else "-", label=name)
@@ -367,7 +409,8 @@ def write_plot(model, codec, path: str) -> None:
             if col == 0:
                 ax.set_ylabel("predicted time (s)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("pycomm cost model: predicted all-reduce time (8 ranks per host)")
+    fig.suptitle("pycomm cost model: predicted all-reduce time (8 ranks per host, flat over every rank "
+                 "except hierarchical; cpu_beta 0)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -375,46 +418,192 @@ def write_plot(model, codec, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# validation: predicted against measured on this host
+# validation: predicted against measured, on this host and across namespaces
 # ---------------------------------------------------------------------------
+
+DENSE = ("ring", "sharded", "tree")
+VALIDATE_HOSTS = (2, 4, 8)
+VALIDATE_RATES = (None, "1gbit")
+# tc tbf counts every byte of a frame: a full TCP segment carries 1448 payload bytes
+# (MTU 1500 less 20 of IP, 20 of TCP and 12 of timestamps) in a frame of 1514 (plus the
+# Ethernet header's 14), so the payload moves at 1448/1514 of the rate.
+TBF_PAYLOAD = 1448.0 / 1514.0
+
+
+@contextlib.contextmanager
+def _env(name: str, value: Optional[str]):
+    saved = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def oversubscription(ranks: int, cores: Optional[int] = None) -> float:
+    """Ranks per core when ``ranks`` share this machine's cores (at least 1)."""
+    return max(1.0, ranks / float(cores or os.cpu_count() or 1))
+
 
 def validate(model, codec, ranks: Sequence[int] = (2, 4), max_bytes: int = 64 << 20,
              iters: int = 10) -> Tuple[List[str], Dict[int, float]]:
-    """Measure ring / sharded / tree over TCP and shm here at sizes from 1 MiB and
-    compare with the prediction. Returns (table lines, {ranks: worst relative error})."""
+    """On this host: ring / sharded / tree over TCP and shm, from 1 MiB, against the
+    prediction with the ranks per core of this machine. Returns (table lines, {ranks:
+    worst relative error})."""
     from .bench import BenchConfig, run_benchmark
 
     lines = [f"{'ranks':>5} {'algorithm':>9} {'size':>9} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"]
     worst: Dict[int, float] = {}
     for n in ranks:
-        for transport, algos in (("tcp", ("ring", "sharded", "tree")), ("auto", ("shm",))):
-            saved = os.environ.get("PYCOMM_TRANSPORT")
-            os.environ["PYCOMM_TRANSPORT"] = transport
-            try:
+        for transport, algos in (("tcp", DENSE), ("auto", ("shm",))):
+            with _env("PYCOMM_TRANSPORT", transport):
                 cfg = BenchConfig(nprocs=n, min_bytes=1 << 20, max_bytes=max_bytes, step_factor=4, iters=iters,
                                   warmup=2, algos=algos, peer=None, check=False, quiet=True, tcp_reference=False)
                 rows = run_benchmark(cfg).rows
-            finally:
-                if saved is None:
-                    os.environ.pop("PYCOMM_TRANSPORT", None)
-                else:
-                    os.environ["PYCOMM_TRANSPORT"] = saved
-            topology = Topology(1, n)
+            # Over TCP every rank is a host of its own to the model.
+            topology = Topology(1 if transport != "tcp" else n, n if transport != "tcp" else 1,
+                                oversubscription=oversubscription(n))
             for row in rows:
                 if not row["time_us"]:
                     continue
-                if transport == "tcp":  # every rank is a host of its own to the model
-                    costs = dict(_C.allreduce_costs(row["size_bytes"], n, False, 0, _cost_object(model)))
-                else:
-                    costs = predict(model, topology, row["size_bytes"], codec)
-                predicted, measured = costs[row["name"]], row["time_us"] * 1e-6
+                costs = predict(model, topology, row["size_bytes"])
+                predicted, measured = costs[row["algo"]], row["time_us"] * 1e-6
                 if math.isinf(predicted):  # never chosen by auto here (sharded on 2 ranks)
                     continue
                 error = (predicted - measured) / measured
                 worst[n] = max(worst.get(n, 0.0), abs(error))
-                lines.append(f"{n:>5} {row['name']:>9} {_size(row['size_bytes']):>9} {predicted * 1e3:>13.2f} "
+                lines.append(f"{n:>5} {row['algo']:>9} {_size(row['size_bytes']):>9} {predicted * 1e3:>13.2f} "
                              f"{measured * 1e3:>12.2f} {100 * error:>+6.0f}%")
     return lines, worst
+
+
+def _host_rows(hosts: int, rate: Optional[str], algos: Sequence[str], min_bytes: int, max_bytes: int,
+               iters: int, warmup: int, cost_path: Optional[str] = None) -> List[dict]:
+    """pycomm-bench --hosts ``hosts`` (one rank each, tbf ``rate`` on each host's egress):
+    the rows with a time. ``cost_path``: the ranks' PYCOMM_COST_MODEL (what auto uses)."""
+    from .bench import BenchConfig, run_benchmark
+
+    cfg = BenchConfig(nprocs=hosts, hosts=hosts, ranks_per_host=1, rate=rate, min_bytes=min_bytes,
+                      max_bytes=max_bytes, step_factor=4, iters=iters, warmup=warmup, algos=tuple(algos),
+                      peer=None, check=False, quiet=True, tcp_reference=False, timeout_s=120.0)
+    with _env("PYCOMM_COST_MODEL", cost_path):
+        return [row for row in run_benchmark(cfg).rows if row["time_us"]]
+
+
+def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) -> dict:
+    """The namespace path's constants (veth + bridge, no rate): pycomm's 2-host ring
+    from 8 B, fitted as calibrate() fits loopback (beta 0, the CPU is the limit); the
+    shared-memory constants and delta from this host's calibration (or the built-in)."""
+    gamma, codec = _kernel_costs()
+    points = [(float(row["size_bytes"]), row["time_us"] * 1e-6)
+              for row in _host_rows(2, None, ("ring",), 8, max_bytes, iters, 3)]
+    a, b = _fit_regimes(points)
+    path = cost_cache_path()
+    base = read_cost_model(path) if os.path.exists(path) else dict(DEFAULT_MODEL)
+    model = dict(base, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12))
+    calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "path": "network namespaces: veth + bridge, 2 hosts x 1 rank, no rate", "model": model,
+                   "codec": codec, "points": {"ring_netns": points},
+                   "note": "beta 0 (no rate: the CPU is the limit); with a tbf rate, link_model sets beta"}
+    if verbose:
+        print("# calibrated the namespace path: " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()))
+    return calibration
+
+
+def link_model(model: Dict[str, float], rate: Optional[str]) -> Dict[str, float]:
+    """``model`` with a tbf ``rate`` as its link: beta = 1 / (rate x TBF_PAYLOAD)."""
+    m = dict(model)
+    if rate:
+        m["beta"] = 8.0 / (_rate(rate) * 1e9 * TBF_PAYLOAD)
+    return m
+
+
+def validate_hosts(model: Dict[str, float], hosts: Sequence[int] = VALIDATE_HOSTS,
+                   rates: Sequence[Optional[str]] = VALIDATE_RATES, min_bytes: int = 1 << 20,
+                   max_bytes: int = 64 << 20, iters: int = 5, warmup: int = 2,
+                   workdir: Optional[str] = None, progress=None) -> List[dict]:
+    """Across network namespaces (one rank per host, with and without tbf): every dense
+    algorithm and auto, measured at sizes from ``min_bytes`` by 4x, against the
+    prediction (the namespace model, the rate as the link, only egress limited, the
+    hosts' ranks per core of this machine). The ranks' auto reads the same model with
+    the rate (PYCOMM_COST_MODEL). One record per (hosts, rate, size, algorithm), and
+    one per (hosts, rate, size) for auto."""
+    import tempfile
+
+    records: List[dict] = []
+    with tempfile.TemporaryDirectory(prefix="pycomm-plan-") as tmp:
+        for rate in rates:
+            m = link_model(model, rate)
+            path = save_calibration({"model": m, "path": f"netns, rate {rate or 'none'}"},
+                                    os.path.join(workdir or tmp, f"netns-{rate or 'unlimited'}.json"))
+            for h in hosts:
+                if progress:
+                    progress(f"# measuring {h} hosts, rate {rate or 'none'}")
+                # sharded does not run on 2 ranks under auto (the ring without its pipeline)
+                algos = [a for a in DENSE if h > 2 or a != "sharded"] + ["auto"]
+                rows = _host_rows(h, rate, algos, min_bytes, max_bytes, iters, warmup, path)
+                over = oversubscription(h)
+                by_size: Dict[int, Dict[str, dict]] = {}
+                for row in rows:
+                    by_size.setdefault(int(row["size_bytes"]), {})[row["algo"]] = row
+                for size, got in sorted(by_size.items()):
+                    costs = dict(_C.allreduce_costs(size, h, False, h, _cost_object(m), oversubscription=over,
+                                                    ingress_limited=False))
+                    measured = {a: got[a]["time_us"] * 1e-6 for a in DENSE
+                                if a in got and not math.isinf(costs.get(a, math.inf))}
+                    for algo, seconds in measured.items():
+                        records.append({"hosts": h, "rate": rate, "size": size, "algo": algo,
+                                        "oversubscription": over, "predicted": costs[algo], "measured": seconds,
+                                        "error": (costs[algo] - seconds) / seconds})
+                    if "auto" in got and measured:
+                        pick = got["auto"]["selected"] or ""
+                        fastest = min(measured, key=measured.get)
+                        records.append({"hosts": h, "rate": rate, "size": size, "algo": "auto", "picked": pick,
+                                        "predicted_best": min((a for a in DENSE if a in costs), key=costs.get),
+                                        "fastest": fastest, "auto_measured": got["auto"]["time_us"] * 1e-6,
+                                        "slowdown": measured.get(pick, math.nan) / measured[fastest] - 1.0})
+    return records
+
+
+def validation_table(records: List[dict], goal: float = 0.25, auto_slack: float = 0.10) -> List[str]:
+    """The records as a table: predicted against measured with the error, then auto's
+    pick against the measured fastest, then the verdicts."""
+    lines = [f"{'hosts':>5} {'rate':>7} {'ranks/core':>10} {'algorithm':>9} {'size':>8} {'predicted ms':>13} "
+             f"{'measured ms':>12} {'error':>7}"]
+    dense = [r for r in records if r["algo"] != "auto"]
+    for r in dense:
+        lines.append(f"{r['hosts']:>5} {r['rate'] or 'none':>7} {r['oversubscription']:>10g} {r['algo']:>9} "
+                     f"{_size(r['size']):>8} {r['predicted'] * 1e3:>13.2f} {r['measured'] * 1e3:>12.2f} "
+                     f"{100 * r['error']:>+6.0f}%")
+    autos = [r for r in records if r["algo"] == "auto"]
+    if autos:
+        lines.append("")
+        lines.append(f"{'hosts':>5} {'rate':>7} {'size':>8} {'auto took':>9} {'model best':>10} "
+                     f"{'fastest':>9} {'auto vs fastest':>15}")
+        for r in autos:
+            lines.append(f"{r['hosts']:>5} {r['rate'] or 'none':>7} {_size(r['size']):>8} {r['picked']:>9} "
+                         f"{r['predicted_best']:>10} {r['fastest']:>9} {100 * r['slowdown']:>+14.0f}%")
+    lines.append("")
+    groups: Dict[Tuple[int, Optional[str]], List[dict]] = {}
+    for r in dense:
+        groups.setdefault((r["hosts"], r["rate"]), []).append(r)
+    for (h, rate), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
+        within = sum(abs(r["error"]) <= goal for r in rs)
+        worst = max(rs, key=lambda r: abs(r["error"]))
+        lines.append(f"# {h} hosts, rate {rate or 'none'} ({rs[0]['oversubscription']:g} ranks per core): "
+                     f"{within}/{len(rs)} within {100 * goal:.0f}%, worst {100 * worst['error']:+.0f}% "
+                     f"({worst['algo']}, {_size(worst['size'])})")
+    if autos:
+        good = sum(r["slowdown"] <= auto_slack for r in autos)
+        lines.append(f"# auto took the measured fastest or one within {100 * auto_slack:.0f}% of it at "
+                     f"{good}/{len(autos)} (hosts, rate, size) points")
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -437,6 +626,49 @@ def _latency(text: str) -> float:
     return float(t)
 
 
+def netns_cache_path() -> str:
+    """This host's calibration of the namespace path (next to cost_cache_path())."""
+    return cost_cache_path()[: -len(".json")] + "-netns.json"
+
+
+def _validate_command(args) -> None:
+    from .bench.hosts import hosts_unavailable_reason
+
+    hosts = [int(h) for h in args.validate_hosts.split(",") if h.strip()]
+    rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",") if r.strip()]
+    reason = hosts_unavailable_reason(next((r for r in rates if r), None))
+    if reason:
+        raise RuntimeError(f"{PREFIX} --validate runs across network namespaces: {reason}")
+    header = [f"# python -m pycomm.plan {' '.join(sys.argv[1:]) if args.argv is None else ' '.join(args.argv)}",
+              f"# {datetime.datetime.now().isoformat(timespec='seconds')} on {socket.gethostname()}, "
+              f"{os.cpu_count()} CPUs; uptime before: {_uptime()}"]
+    print("\n".join(header), flush=True)
+    calibration = calibrate_netns(max_bytes=min(args.max_bytes or 16 << 20, 16 << 20), iters=2 * args.iters)
+    print(f"# cached: {save_calibration(calibration, netns_cache_path())}", flush=True)
+    model = calibration["model"]
+    records = validate_hosts(model, hosts, rates, max_bytes=args.max_bytes or 64 << 20, iters=args.iters,
+                             progress=lambda text: print(text, flush=True))
+    lines = header + [
+        "# model (namespace path): " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()),
+        f"# with a rate: beta = 1 / (rate x {TBF_PAYLOAD:.3f}), the TCP payload of a 1514-byte frame; only "
+        "egress limited (tbf on each host's interface); ranks/core = hosts / this machine's CPUs",
+        f"# uptime after: {_uptime()}"] + validation_table(records)
+    print("\n".join(lines[len(header):]))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+        print(f"# table: {args.out}")
+
+
+def _uptime() -> str:
+    try:
+        with open("/proc/loadavg") as handle:
+            return "load average " + ", ".join(handle.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pycomm.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="measure this host and cache the constants")
@@ -447,12 +679,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--latency", type=_latency, default=None, help="one-way latency, e.g. 20us")
     parser.add_argument("--extrapolate", action="store_true", help="64 / 512 / 4096 ranks, 100 and 10 Gbit/s")
     parser.add_argument("--plot", help="PNG of the extrapolation (needs matplotlib)")
-    parser.add_argument("--validate", action="store_true", help="predicted against measured on this host")
-    parser.add_argument("--max-bytes", type=int, default=16 << 20)
+    parser.add_argument("--validate", action="store_true",
+                        help="predicted against measured across network namespaces (root): calibrate the "
+                             "namespace path, then --validate-hosts x --rates, one rank per host")
+    parser.add_argument("--validate-hosts", default=",".join(map(str, VALIDATE_HOSTS)),
+                        help="host counts for --validate (default 2,4,8)")
+    parser.add_argument("--rates", default=",".join(r or "none" for r in VALIDATE_RATES),
+                        help="tc tbf rates for --validate, 'none' for no limit (default none,1gbit)")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per size for --validate")
+    parser.add_argument("--out", help="also write the --validate table to this file")
+    parser.add_argument("--validate-local", action="store_true",
+                        help="predicted against measured on this host (2 and 4 ranks, TCP loopback and shm)")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="largest size measured (default: 16 MiB for --calibrate, 64 MiB for the validations)")
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else None
     try:
         if args.calibrate:
-            calibration = calibrate(max_bytes=args.max_bytes)
+            calibration = calibrate(max_bytes=args.max_bytes or 16 << 20)
             print(f"# cached: {save_calibration(calibration, args.model)}")
         model, codec, source = load_calibration(args.model)
         print(f"# model from {source}: " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()))
@@ -465,12 +709,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.plot:
             write_plot(model, codec, args.plot)
             print(f"# plot: {args.plot}")
-        if args.validate:
-            lines, worst = validate(model, codec, max_bytes=max(args.max_bytes, 1 << 20))
+        if args.validate_local:
+            lines, worst = validate(model, codec, max_bytes=max(args.max_bytes or 64 << 20, 1 << 20))
             print("\n".join(lines))
             for n, error in sorted(worst.items()):
                 print(f"# {n} ranks on this host's {os.cpu_count()} CPUs: worst error from 1 MiB up "
                       f"{100 * error:.0f}% (goal: within 25%)")
+        if args.validate:
+            _validate_command(args)
     except (ValueError, RuntimeError) as exc:
         message = str(exc)
         print(message if message.startswith(("pycomm", PREFIX)) else f"{PREFIX} {message}", file=sys.stderr)

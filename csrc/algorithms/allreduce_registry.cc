@@ -1,16 +1,25 @@
 // The all-reduce table, its cost model and `auto`.
 //
 // Cost model (alpha-beta-gamma, the constants in common/cost_model.h): a message
-// costs alpha plus bytes * beta, reducing costs gamma per byte. For n ranks and S
-// bytes per rank:
-//   ring:    2(n-1) alpha + 2(n-1)/n S beta + (n-1)/n S gamma
-//   sharded: 2 log2(n) alpha + 2(n-1)/n S beta + (n-1)/n S gamma   (power-of-two n;
-//            halving/doubling)
+// costs alpha, a byte costs beta on the link and cpuBeta of CPU at the ranks that
+// send and receive it (each about half), reducing costs gamma per byte of CPU. The
+// link and the CPU work at once (segments are pipelined), so a phase takes the larger
+// of the two; with o ranks per core (Topology::oversubscription > 1) the ranks' CPU
+// work adds up and takes o times one rank's share. For n ranks, S bytes per rank,
+// P = (n-1)/n S, k = ceil(log2 n), cpu(x) = max(1, o) x:
+//   ring:    2(n-1) alpha + max(2P beta, cpu(2P cpuBeta + P gamma))
+//   sharded: 2k alpha + the same byte terms   (power-of-two n: halving/doubling)
 //            2 alpha + (n-1) delta + the same byte terms   (other n: n-1 messages in flight)
-//   tree:    2 log2(n) alpha + 2 log2(n) S beta + log2(n) S gamma   (the root link
-//            carries every child)
-//   shm:     2 shmAlpha + 2(n-1)/n S shmBeta + (n-1)/n S gamma   (one host: through
-//            the arena)
+//            L > 1 ranks on each of H hosts: the link term is 2 L S (H-1)/H beta (all
+//            L ranks of a host exchange across hosts at once; the ring's layout puts one
+//            edge per host on the link)
+//   tree:    2k alpha + max(reduce + broadcast, o (n-1)/n S (2 cpuBeta + gamma)),
+//            reduce = max(k S beta, k S (cpuBeta/2 + gamma)) (the root takes k children's
+//            S, each over its own link when only egress is limited: S beta), broadcast =
+//            max(k S beta, k S cpuBeta/2) (the root sends S to k children); the two run
+//            one after the other (tree.cc), each pipelined by segment; with L ranks per
+//            host only the k - log2 L children off rank 0's host load its link
+//   shm:     2 shmAlpha + cpu(2P shmBeta + P gamma)   (one host: through the arena)
 //   hierarchical: shm inside each host (L ranks), the cheapest network algorithm
 //            among the H host leaders, then a broadcast inside each host
 //            (shmAlpha + S shmBeta)
@@ -42,10 +51,14 @@ constexpr double kTwoRankRingPhaseBytes = 4097;
 
 double log2Steps(int n) { return std::ceil(std::log2(static_cast<double>(n))); }
 double bytesOf(size_t bytes) { return static_cast<double>(bytes); }
-// What a reduce-scatter plus all-gather moves and reduces per rank.
-double shareTerms(size_t bytes, int n, const CostModel& m) {
-  const double part = static_cast<double>(n - 1) / n * bytesOf(bytes);
-  return 2.0 * part * m.beta + part * m.gamma;
+// CPU-bound seconds scaled by the ranks per core.
+double cpu(double seconds, const Topology& t) { return std::max(1.0, t.oversubscription) * seconds; }
+// What a reduce-scatter plus all-gather moves and reduces per rank: 2P bytes each
+// way on every rank's link, and their CPU.
+double shareTerms(size_t bytes, const Topology& t) {
+  const CostModel& m = t.cost;
+  const double part = static_cast<double>(t.ranks - 1) / t.ranks * bytesOf(bytes);
+  return std::max(2.0 * part * m.beta, cpu(2.0 * part * m.cpuBeta + part * m.gamma, t));
 }
 
 bool always(const Topology&) { return true; }
@@ -60,33 +73,59 @@ double ringCost(size_t bytes, const Topology& t) {
   const CostModel& m = t.cost;
   const int n = t.ranks;
   if (n <= 2)
-    return 2.0 * m.alpha + (bytesOf(bytes) + kTwoRankRingPhaseBytes) * m.beta + 0.5 * bytesOf(bytes) * m.gamma;
-  return 2.0 * (n - 1) * m.alpha + shareTerms(bytes, n, m);
+    return 2.0 * m.alpha + std::max((bytesOf(bytes) + kTwoRankRingPhaseBytes) * m.beta,
+                                    cpu(bytesOf(bytes) * m.cpuBeta + 0.5 * bytesOf(bytes) * m.gamma, t));
+  return 2.0 * (n - 1) * m.alpha + shareTerms(bytes, t);
 }
+
+// Ranks per host when the group spans several hosts with several ranks each (ranks laid
+// out host by host), else 1: the ranks of a host then share its link.
+int ranksPerHost(const Topology& t) { return t.hosts > 1 && t.hosts < t.ranks ? (t.ranks + t.hosts - 1) / t.hosts : 1; }
 
 double shardedCost(size_t bytes, const Topology& t) {
   const CostModel& m = t.cost;
   const int n = t.ranks;
   if (n <= 2) return kNever;  // on two ranks: the ring without its pipeline
   const bool powerOfTwo = (n & (n - 1)) == 0;
-  return (powerOfTwo ? 2.0 * log2Steps(n) * m.alpha : 2.0 * m.alpha + (n - 1) * m.delta) +
-         shareTerms(bytes, n, m);
+  const double messages = powerOfTwo ? 2.0 * log2Steps(n) * m.alpha : 2.0 * m.alpha + (n - 1) * m.delta;
+  // L ranks per host: the exchanges between hosts (halving's first steps, or every
+  // owner off the host) put all L ranks on the host's link at once, 2 L S (H-1)/H bytes
+  // each way where the ring's one edge per host carries 2P.
+  const int local = ranksPerHost(t);
+  if (local > 1) {
+    const double hosts = static_cast<double>(t.hosts);
+    const double link = 2.0 * local * (hosts - 1.0) / hosts * bytesOf(bytes) * m.beta;
+    return messages + std::max(link, shareTerms(bytes, t));
+  }
+  return messages + shareTerms(bytes, t);
 }
 
+// tree.cc: a binomial reduce to rank 0, then a binomial broadcast from it. Rank 0 has
+// k children: it takes S from each (reducing each into its buffer) and sends S to each.
 double treeCost(size_t bytes, const Topology& t) {
   const CostModel& m = t.cost;
   const int n = std::max(t.ranks, 2);
-  const double steps = log2Steps(n);
-  return 2.0 * steps * m.alpha + 2.0 * steps * bytesOf(bytes) * m.beta + steps * bytesOf(bytes) * m.gamma;
+  const double k = log2Steps(n);
+  const double s = bytesOf(bytes);
+  // Rank 0's children off its host (ranks laid out host by host, L per host: the
+  // children at distance L and beyond) are the ones its link carries.
+  const double remote = std::max(1.0, k - std::floor(std::log2(static_cast<double>(ranksPerHost(t)))));
+  const double reduce =
+      std::max((t.ingressLimited ? remote : 1.0) * s * m.beta, k * s * (0.5 * m.cpuBeta + m.gamma));
+  const double broadcast = std::max(remote * s * m.beta, k * s * 0.5 * m.cpuBeta);
+  // Oversubscribed, every edge's two transfers and every reduction share the cores.
+  const double shared = t.oversubscription * (n - 1) / n * s * (2.0 * m.cpuBeta + m.gamma);
+  return 2.0 * k * m.alpha + std::max(reduce + broadcast, shared);
 }
 
 bool shmFits(const Topology& t) { return t.oneHost; }
-double shmCostOf(size_t bytes, int n, const CostModel& m) {
+double shmCostOf(size_t bytes, int n, const Topology& t) {
+  const CostModel& m = t.cost;
   const double part = static_cast<double>(n - 1) / n * bytesOf(bytes);
-  return 2.0 * m.shmAlpha + 2.0 * part * m.shmBeta + part * m.gamma;
+  return 2.0 * m.shmAlpha + cpu(2.0 * part * m.shmBeta + part * m.gamma, t);
 }
 double shmCost(size_t bytes, const Topology& t) {
-  return t.ranks > 1 ? shmCostOf(bytes, t.ranks, t.cost) : kNever;
+  return t.ranks > 1 ? shmCostOf(bytes, t.ranks, t) : kNever;
 }
 
 bool hierarchicalFits(const Topology& t) { return t.hosts > 1 && t.hosts < t.ranks; }
@@ -96,7 +135,9 @@ double hierarchicalCost(size_t bytes, const Topology& t) {
   Topology leaders;
   leaders.ranks = leaders.hosts = t.hosts;
   leaders.cost = m;
-  const double inside = local > 1 ? shmCostOf(bytes, local, m) + m.shmAlpha + bytesOf(bytes) * m.shmBeta : 0.0;
+  leaders.oversubscription = t.oversubscription;
+  leaders.ingressLimited = t.ingressLimited;
+  const double inside = local > 1 ? shmCostOf(bytes, local, t) + m.shmAlpha + bytesOf(bytes) * m.shmBeta : 0.0;
   return inside + cheapest(bytes, leaders).cost;
 }
 

@@ -31,6 +31,12 @@ struct Topology {
   bool oneHost = false;
   // The constants of the cost model (the group's; the built-in defaults otherwise).
   CostModel cost;
+  // Ranks per CPU core on the most loaded machine: above 1, the CPU-bound terms of
+  // every rank add up and scale by it (e.g. 8 namespace "hosts" on 2 cores: 4).
+  double oversubscription = 1.0;
+  // Whether a host's link limits what it receives as well as what it sends (a real
+  // NIC); false for tc tbf on each host's egress only (pycomm/netns.py).
+  bool ingressLimited = true;
 };
 Topology topologyOf(const Comm& comm);
 

@@ -33,7 +33,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("gamma", &pycomm::CostModel::gamma)
       .def_readwrite("delta", &pycomm::CostModel::delta)
       .def_readwrite("shm_alpha", &pycomm::CostModel::shmAlpha)
-      .def_readwrite("shm_beta", &pycomm::CostModel::shmBeta);
+      .def_readwrite("shm_beta", &pycomm::CostModel::shmBeta)
+      .def_readwrite("cpu_beta", &pycomm::CostModel::cpuBeta);
 
   // The one options object (common/group_config.h); pycomm/config.py fills it.
   py::class_<pycomm::GroupConfig>(m, "GroupConfig")
@@ -160,29 +161,34 @@ PYBIND11_MODULE(_C, m) {
         "the device types the backend takes: cpu and each with a device seam (device_seam.h)");
   m.def("allreduce_algorithms", &pycomm::allreduceAlgorithmNames,
         "the all-reduce algorithm settings: 'auto', then the table of allreduce_registry.h");
-  auto topologyOf = [](int worldSize, bool oneHost, int hosts, const std::optional<pycomm::CostModel>& cost) {
+  auto topologyOf = [](int worldSize, bool oneHost, int hosts, const std::optional<pycomm::CostModel>& cost,
+                       double oversubscription, bool ingressLimited) {
     pycomm::Topology topology;
     topology.ranks = worldSize;
     topology.hosts = hosts;
     topology.oneHost = oneHost;
     if (cost) topology.cost = *cost;
+    topology.oversubscription = oversubscription;
+    topology.ingressLimited = ingressLimited;
     return topology;
   };
   m.def("_select_algorithm",
         [topologyOf](size_t bytes, int worldSize, bool oneHost, int hosts,
-                     const std::optional<pycomm::CostModel>& cost) {
-          return std::string(
-              pycomm::chooseAllreduceAlgorithm(bytes, topologyOf(worldSize, oneHost, hosts, cost)).name);
+                     const std::optional<pycomm::CostModel>& cost, double oversubscription, bool ingressLimited) {
+          return std::string(pycomm::chooseAllreduceAlgorithm(
+                                 bytes, topologyOf(worldSize, oneHost, hosts, cost, oversubscription, ingressLimited))
+                                 .name);
         },
         py::arg("nbytes"), py::arg("world_size"), py::arg("one_host") = false, py::arg("hosts") = 0,
-        py::arg("cost") = py::none());
+        py::arg("cost") = py::none(), py::arg("oversubscription") = 1.0, py::arg("ingress_limited") = true);
   m.def("allreduce_costs",
         [topologyOf](size_t bytes, int worldSize, bool oneHost, int hosts,
-                     const std::optional<pycomm::CostModel>& cost) {
-          return pycomm::allreduceCosts(bytes, topologyOf(worldSize, oneHost, hosts, cost));
+                     const std::optional<pycomm::CostModel>& cost, double oversubscription, bool ingressLimited) {
+          return pycomm::allreduceCosts(
+              bytes, topologyOf(worldSize, oneHost, hosts, cost, oversubscription, ingressLimited));
         },
         py::arg("nbytes"), py::arg("world_size"), py::arg("one_host") = false, py::arg("hosts") = 0,
-        py::arg("cost") = py::none(),
+        py::arg("cost") = py::none(), py::arg("oversubscription") = 1.0, py::arg("ingress_limited") = true,
         "[(algorithm, predicted seconds)] for every all-reduce algorithm that fits: the cost "
         "model auto uses (allreduce_registry.cc), with `cost` or the built-in constants");
 }

@@ -21,6 +21,11 @@ struct CostModel {
   // (a flag wait) and per byte moved.
   double shmAlpha = 2e-6;
   double shmBeta = 1.0 / 10.0e9;
+  // Seconds of CPU per byte a rank sends and receives at once over TCP (its copies
+  // through the socket layer: sending and receiving each take about half). Overlaps
+  // the link's beta: a transfer takes the larger of the two. 0 in the defaults (the
+  // link's beta stands for both).
+  double cpuBeta = 0.0;
 };
 
 }  // namespace pycomm
