@@ -1,25 +1,34 @@
-"""Gradient compression on digits: accuracy, bytes per step and step time, dense vs every hook.
+"""Gradient compression: accuracy, bytes per step and step time, dense vs every hook, on several tasks.
 
-    python benchmarks/compression_digits.py      # writes benchmarks/results/compression_digits.{md,json,png}
+    python benchmarks/compression_digits.py      # tasks mlp, cnn, lm; writes benchmarks/results/compression_digits.{md,json,png}
+    python benchmarks/compression_digits.py --tasks mlp --configs "dense,topk 1% EF" --slow-rates ''
 
-One run trains the same model (an MLP 64-512-512-10 on scikit-learn's digits, the
-pycomm.train digits split; 301,066 parameters, so that the gradient is big enough for
-communication to matter) with the same seed, epochs, learning rate and global batch
-under every configuration:
+Tasks (``--tasks``, default ``mlp,cnn,lm``; see TASKS), each trained with the optimizer a
+user of that model brings, the same seed, steps, learning rate and global batch under
+every configuration:
+
+* ``mlp``: MLP 64-1024-480-10 (563,370 parameters) on scikit-learn's digits (the
+  pycomm.train digits-mlp split), SGD lr 0.05 momentum 0.9, 400 steps;
+* ``cnn``: pycomm.train's digits-cnn on the 8x8 digit images, the same optimizer;
+* ``lm``: pycomm.train's tinylm (next-character accuracy), the same optimizer
+  (pycomm.train's default optimizer for every task, tinylm included, is SGD momentum 0.9);
+* ``digits-sgd``: the benchmark's original setting, MLP 64-512-512-10 (301,066
+  parameters), plain SGD ``--lr`` (0.1), ``--epochs`` (10); benchmarks/powersgd_digits.py
+  runs it.
+
+Configurations (``--configs``):
 
 * ``dense``: DDP without a comm hook;
 * ``allreduce_hook``: pycomm.hooks.allreduce_hook (the same numbers as dense);
-* ``topk 1% EF``: TopKState(density=0.01, error_feedback=True) (owners keep 1% of each reduced chunk);
-* ``topk 1% EF owner 2%``: the same with owner_density=0.02;
+* ``topk 1% EF``: TopKState(density=0.01) (its defaults: error feedback, owners keep 2 x density);
+  any ``topk D% EF`` with `` owner P%`` / `` owner all`` / `` exact`` / `` noEF`` (_topk_state);
+  ``topk 1% EF owner 1%``: the default before (owners keep density);
 * ``8-bit EF`` / ``4-bit EF`` / ``1-bit EF``: QuantizeState(bits=8|4|1) (defaults: block 256,
   stochastic rounding for 8/4 bits, error feedback).
 
 The worker also knows ``powersgd rR`` (pycomm.hooks.powersgd_hook) and ``torch powerSGD rR``
 (torch's powerSGD_hook), with `` noEF`` / `` nowarm`` suffixes: benchmarks/powersgd_digits.py
 runs them (``--configs`` of the worker); they are not in the default CONFIGS.
-
-Optimizer: plain SGD (no momentum) for every run alike -- top-k with momentum needs DGC's
-momentum correction, which the hooks do not implement (docs/compression.md).
 
 Settings ("networks"): all ranks in the root namespace over loopback, at 2 and 4 ranks;
 then every rank in its own network namespace (tests/netns_util.py: one veth per host on a
@@ -28,7 +37,7 @@ private bridge) with a tc tbf limit on each host's egress (``--slow-rates``, def
 ``--slow-worlds`` ranks (default 2 and 4). netem is not available here, so no delay is added.
 
 Per configuration, from rank 0: final test accuracy (all replicas are identical under
-synchronous DDP; rank 0 scores the 297 held-out digits locally, no communication),
+synchronous DDP; rank 0 scores the task's held-out set locally, in eval mode, no communication),
 bytes sent per training step (pycomm.stats()['bytes_sent'] over the training steps only,
 divided by the number of steps), and the median step time (zero_grad + forward + backward
 incl. the gradient exchange + optimizer step; the first 5 steps are skipped). Every rank
@@ -51,12 +60,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-CONFIGS = ["dense", "allreduce_hook", "topk 1% EF", "topk 1% EF owner 2%", "8-bit EF", "4-bit EF", "1-bit EF"]
+CONFIGS = ["dense", "allreduce_hook", "topk 1% EF", "topk 1% EF owner 1%", "8-bit EF", "4-bit EF", "1-bit EF"]
 
 # targets of the compression issue: (max accuracy drop in points, min byte reduction)
 TARGETS = {
     "topk 1% EF": (1.0, 50.0),
-    "topk 1% EF owner 2%": (1.0, 50.0),
     "8-bit EF": (0.5, 3.5),
     "4-bit EF": (1.0, 6.0),
     "1-bit EF": (1.5, 20.0),
@@ -75,11 +83,8 @@ def _register(ddp, name, group=None):
         return
     if name == "allreduce_hook":
         ddp.register_comm_hook(hooks.AllreduceState(group), hooks.allreduce_hook)
-    elif name == "topk 1% EF":
-        ddp.register_comm_hook(hooks.TopKState(group, density=0.01, error_feedback=True), hooks.topk_hook)
-    elif name == "topk 1% EF owner 2%":
-        ddp.register_comm_hook(hooks.TopKState(group, density=0.01, error_feedback=True, owner_density=0.02),
-                               hooks.topk_hook)
+    elif name.startswith("topk "):
+        ddp.register_comm_hook(_topk_state(name, group), hooks.topk_hook)
     elif name.endswith("-bit EF"):
         bits = int(name.split("-")[0])
         ddp.register_comm_hook(hooks.QuantizeState(group, bits=bits, error_feedback=True), hooks.quantize_hook)
@@ -105,6 +110,23 @@ def _register(ddp, name, group=None):
         raise ValueError(name)
 
 
+def _topk_state(name, group=None):
+    """TopKState from a config name: "topk D% EF" (the defaults but density), then any of
+    " owner P%" / " owner all" (owner_density P / 0), " exact", " noEF"."""
+    from pycomm import hooks
+
+    words = name.split()
+    kwargs = {"density": float(words[1].rstrip("%")) / 100}
+    if "noEF" in words:
+        kwargs["error_feedback"] = False
+    if "exact" in words:
+        kwargs["exact"] = True
+    if "owner" in words:
+        value = words[words.index("owner") + 1]
+        kwargs["owner_density"] = 0.0 if value == "all" else float(value.rstrip("%")) / 100
+    return hooks.TopKState(group, **kwargs)
+
+
 def _make_model(seed):
     import torch
     from torch import nn
@@ -113,37 +135,75 @@ def _make_model(seed):
     return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
+def _make_wide_mlp(seed):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    # 64-1024-480-10: 563,370 parameters (issue #16's "~0.56M-parameter MLP")
+    return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 480), nn.ReLU(), nn.Linear(480, 10))
+
+
+# Tasks: (pycomm.train task whose data is used, model (None: the task's own), optimizer, lr,
+# momentum, steps (None: --epochs), description). The optimizer is the one a user of that
+# model would bring: SGD with momentum 0.9 (pycomm.train's default optimizer for every task,
+# tinylm included: TrainConfig(optimizer="sgd", momentum=0.9)); "digits-sgd" is the
+# benchmark's original setting (plain SGD, epochs), kept for benchmarks/powersgd_digits.py.
+TASKS = {
+    "mlp": ("digits-mlp", _make_wide_mlp, 0.05, 0.9, 400,
+            "digits, MLP 64-1024-480-10 (563,370 parameters), SGD lr 0.05 momentum 0.9, 400 steps"),
+    "cnn": ("digits-cnn", None, 0.05, 0.9, 400,
+            "digits 8x8 images, pycomm.train digits-cnn (conv 16-32, maxpool, fc 64-10; 38,282 parameters), "
+            "SGD lr 0.05 momentum 0.9, 400 steps"),
+    "lm": ("tinylm", None, 0.05, 0.9, 400,
+           "pycomm.train tinylm (2-layer Transformer d 64, dropout 0.1, 32-char windows, 72,603 parameters; next-char accuracy), "
+           "SGD lr 0.05 momentum 0.9, 400 steps"),
+    "digits-sgd": ("digits-mlp", _make_model, None, 0.0, None,
+                   "digits, MLP 64-512-512-10 (301,066 parameters), plain SGD (--lr), --epochs epochs"),
+}
+DEFAULT_TASKS = "mlp,cnn,lm"
+
+
 def _train_one(name, rank, world, args):
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import pycomm
     from pycomm.train.tasks import get_task
 
-    task = get_task("digits-mlp")
+    data, make_model, lr, momentum, steps, _ = TASKS[getattr(args, "task", "digits-sgd")]
+    task = get_task(data)
     x_train, y_train = task.x_train, task.y_train
-    model = _make_model(args.seed)
+    model = (make_model or task.make_model)(args.seed)
+    if args.lr is not None:  # --lr overrides the task's (digits-sgd: 0.1 by default)
+        lr = args.lr
+    elif lr is None:
+        lr = 0.1
     # PowerSGD rows: one bucket (an explicit cap also sets DDP's first-bucket cap). torch's
     # powerSGD_hook issues a bucket's later all-reduces from Future callbacks, which on a CPU
     # backend can interleave with the next bucket's first one in a different order on each rank
     # (PYCOMM_CHECK=1 reports it: "ranks made different calls"); with one bucket there is no next.
     ddp = DDP(model, bucket_cap_mb=25) if "owerSGD" in name or "powersgd" in name else DDP(model)
     _register(ddp, name)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     per_rank = args.global_batch // world
     steps_per_epoch = x_train.shape[0] // args.global_batch
+    total_steps = steps if steps is not None else args.epochs * steps_per_epoch
+    model.train()
     dist.barrier()
     pycomm.reset_stats()
     times, losses = [], []
-    for epoch in range(args.epochs):
+    while len(times) < total_steps:
+        epoch = len(times) // steps_per_epoch
         order = torch.randperm(x_train.shape[0], generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
         for s in range(steps_per_epoch):
+            if len(times) >= total_steps:
+                break
             idx = order[s * args.global_batch + rank * per_rank: s * args.global_batch + (rank + 1) * per_rank]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
+            loss = task.loss(ddp(x_train[idx]), y_train[idx])
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
@@ -152,9 +212,10 @@ def _train_one(name, rank, world, args):
                 sent_after_2 = pycomm.stats()["bytes_sent"]
     sent = pycomm.stats()["bytes_sent"]
     steps = len(times)
+    model.eval()
     with torch.no_grad():
-        pred = model(task.x_test).argmax(1)
-        acc = (pred == task.y_test).float().mean().item()
+        _, correct, count = task.score(model(task.x_test), task.y_test)
+        acc = correct / count
     # replicas must agree (synchronous DDP): compare a checksum of the parameters
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     check = torch.tensor([flat.double().sum().item(), flat.double().abs().sum().item()], dtype=torch.float64)
@@ -223,8 +284,8 @@ def _launch(world, args, tmp, netns=None, addr="127.0.0.1", port=None, timeout=9
     for rank in range(world):
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(rank), "--world", str(world),
                 "--init", f"tcp://{addr}:{port}", "--result", result, "--configs", args.configs,
-                "--epochs", str(args.epochs), "--lr", str(args.lr), "--global-batch", str(args.global_batch),
-                "--seed", str(args.seed)]
+                "--epochs", str(args.epochs), *(["--lr", str(args.lr)] if args.lr is not None else []), "--global-batch", str(args.global_batch),
+                "--seed", str(args.seed), "--task", getattr(args, "task", "digits-sgd")]
         if netns:
             argv = ["ip", "netns", "exec", netns[rank], *argv]
         procs.append(subprocess.Popen(argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
@@ -280,13 +341,13 @@ def _plot(settings, path, title):
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    markers = {"dense": "o", "allreduce_hook": "x", "topk 1% EF": "*", "topk 1% EF owner 2%": "P",
+    markers = {"dense": "o", "allreduce_hook": "x", "topk 1% EF": "*", "topk 1% EF owner 1%": "P",
                "8-bit EF": "s", "4-bit EF": "D", "1-bit EF": "^"}
     colours = {}
     for setting in settings:
         if setting["network"] == "loopback":
             for r in setting["rows"]:
-                line = ax1.scatter(r["bytes_per_step"], r["test_accuracy"] * 100, marker=markers[r["config"]],
+                line = ax1.scatter(r["bytes_per_step"], r["test_accuracy"] * 100, marker=markers.get(r["config"], "o"),
                                    s=70, color=colours.setdefault(setting["world_size"], f"C{len(colours)}"),
                                    label=f"{r['config']}, {setting['world_size']} ranks")
     for setting in settings:
@@ -300,8 +361,9 @@ def _plot(settings, path, title):
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7, ncol=2)
     labels = [s["label"] for s in settings]
-    width = 0.8 / len(CONFIGS)
-    for i, name in enumerate(CONFIGS):
+    names = [r["config"] for r in settings[0]["rows"]]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
         vals = [next(r for r in s["rows"] if r["config"] == name)["median_step_s"] * 1e3 for s in settings]
         ax2.bar([j + (i - len(CONFIGS) / 2 + 0.5) * width for j in range(len(settings))], vals, width, label=name)
     ax2.set_xticks(range(len(settings)))
@@ -341,7 +403,9 @@ def _verdicts(settings):
         if s["network"] != "loopback":
             continue
         for name, (max_drop, min_ratio) in TARGETS.items():
-            r = next(x for x in s["rows"] if x["config"] == name)
+            r = next((x for x in s["rows"] if x["config"] == name), None)
+            if r is None:
+                continue
             acc_ok = -r["acc_delta_points"] <= max_drop
             bytes_ok = r["bytes_reduction"] >= min_ratio
             lines.append({"setting": s["label"], "target": f"{name}: acc within {max_drop} pt at >= {min_ratio}x "
@@ -350,8 +414,10 @@ def _verdicts(settings):
     for s in settings:
         if s["network"] == "loopback":
             continue
-        for name in ("topk 1% EF", "topk 1% EF owner 2%"):
-            r = next(x for x in s["rows"] if x["config"] == name)
+        for name in ("topk 1% EF", "topk 1% EF owner 1%"):
+            r = next((x for x in s["rows"] if x["config"] == name), None)
+            if r is None:
+                continue
             lines.append({"setting": s["label"],
                           "target": f"slow link: {name} step >= {SLOW_STEP_TARGET}x faster than dense",
                           "accuracy": f"{r['acc_delta_points']:+.2f} pt", "bytes": f"{r['bytes_reduction']:.2f}x",
@@ -360,10 +426,24 @@ def _verdicts(settings):
 
 
 def run_settings(args, port):
-    """Every ``--worlds`` setting on loopback, then every ``--slow-rates`` x ``--slow-worlds`` one
-    with each rank in its own namespace behind a tbf limit (``port``: rank 0's there); each
-    setting ``{label, network, world_size, rows}`` (rows: rank 0's, annotated). Shared with
-    benchmarks/powersgd_digits.py, whose worker is this module's."""
+    """For every ``--tasks`` task: every ``--worlds`` setting on loopback, then every
+    ``--slow-rates`` x ``--slow-worlds`` one with each rank in its own namespace behind a tbf
+    limit (``port``: rank 0's there); each setting ``{label, task, network, world_size, rows}``
+    (rows: rank 0's, annotated). Shared with benchmarks/powersgd_digits.py, whose worker is
+    this module's (it has no --tasks: the digits-sgd task)."""
+    settings = []
+    for task in getattr(args, "tasks", "digits-sgd").split(","):
+        args.task = task
+        for s in _run_task_settings(args, port):
+            s["task"] = task
+            if task != "digits-sgd":
+                s["label"] = f"{task}, {s['label']}"
+            settings.append(s)
+    return settings
+
+
+def _run_task_settings(args, port):
+    """One task's settings (args.task)."""
     settings = []
     with tempfile.TemporaryDirectory(prefix="compression_digits_") as tmp:
         for world in [int(w) for w in args.worlds.split(",") if w]:
@@ -400,7 +480,8 @@ def run_settings(args, port):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate (default: the task's; digits-sgd 0.1)")
     parser.add_argument("--global-batch", type=int, default=64, help="samples per step over all ranks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worlds", default="2,4", help="world sizes on loopback")
@@ -415,7 +496,10 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--init", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs to run")
+    parser.add_argument("--tasks", default=DEFAULT_TASKS,
+                        help=f"comma-separated tasks ({', '.join(TASKS)}); default {DEFAULT_TASKS}")
+    parser.add_argument("--task", default="digits-sgd", help=argparse.SUPPRESS)  # worker: this run's task
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main(args)
@@ -430,9 +514,8 @@ def main(argv=None) -> int:
     import torch
 
     meta = {
-        "command": command, "repeat": args.repeat, "task": "digits (pycomm.train digits-mlp split: 1500 train / 297 test)",
-        "model": "MLP 64-512-512-10 (301,066 parameters, float32)", "epochs": args.epochs, "lr": args.lr,
-        "optimizer": "SGD, no momentum, constant lr", "global_batch": args.global_batch, "seed": args.seed,
+        "command": command, "repeat": args.repeat, "tasks": {t: TASKS[t][5] for t in args.tasks.split(",")},
+        "lr_override": args.lr, "epochs_digits_sgd": args.epochs, "global_batch": args.global_batch, "seed": args.seed,
         "backend": "pycomm", "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "threads_per_rank": 1, "tbf": "netns_util: tbf rate R burst 256kb latency 50ms on each host's egress",
         "total_wall_s": total_s, "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
@@ -441,18 +524,18 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as handle:
         json.dump({"meta": meta, "settings": settings, "targets": verdicts}, handle, indent=2)
-    title = (f"digits, MLP 64-512-512-10, {args.epochs} epochs, SGD lr {args.lr}, global batch "
-             f"{args.global_batch}, pycomm backend")
+    title = f"tasks {args.tasks}, global batch {args.global_batch}, pycomm backend"
     _plot(settings, args.out + ".png", title)
 
     table = _table(settings)
     lines = [
-        "# Gradient compression on digits: accuracy, bytes per step, step time",
+        "# Gradient compression: accuracy, bytes per step, step time",
         "",
         f"Command: `{command}` (total {total_s:.0f} s)  ",
-        f"{meta['model']} on scikit-learn's digits ({meta['task']}); {args.epochs} epochs, global batch "
-        f"{args.global_batch} (split evenly over the ranks), plain SGD lr {args.lr} (no momentum: top-k would "
-        f"need DGC momentum correction), seed {args.seed}, identical for every run; 1 torch thread per rank, "
+        "Tasks: " + "; ".join(f"**{t}**: {TASKS[t][5]}" for t in args.tasks.split(",")) +
+        (f" (--lr {args.lr} overrides every task's lr)" if args.lr is not None else "") + ". "
+        f"Global batch {args.global_batch} (split evenly over the ranks), constant lr, "
+        f"seed {args.seed}, identical for every run of a task; 1 torch thread per rank, "
         f"{meta['machine']}, torch {meta['torch']}. Bytes = pycomm.stats()['bytes_sent'] of rank 0 over the "
         f"training steps / steps. Step time = median over steps (first 5 skipped) of rank 0's "
         f"zero_grad+forward+backward(+exchange)+step"
@@ -468,16 +551,17 @@ def main(argv=None) -> int:
         f"{'/'.join(f'{x:.1f}' for x in meta['loadavg_1_5_15_after'])} (the machine has {os.cpu_count()} cores; "
         f"anything else running shows up in the step times, not in accuracy or bytes, which are deterministic).",
         "",
-        "Notes. Accuracy is on 297 test digits, so one digit is 0.34 points. On the pycomm backend the hooks "
+        "Notes. On the pycomm backend the hooks "
         "encode with the C++ kernels and exchange through pycomm's compressed collectives "
         "(csrc/algorithms/allreduce_quantized.cc, allreduce_sparse.cc): each rank owns a chunk of every "
         "parameter, receives the others' compressed contributions to it, sums them and sends the "
         "(requantized / re-selected) sum to everyone, so a rank sends about 2 (world - 1) / world x the "
         "compressed size, like the ring all-reduce does with the dense gradient: the byte reduction does not "
         "shrink with the world size. top-k: phase-1 pairs are the top 1% of each parameter; each owner keeps "
-        "the top 1% ('owner 2%': 2%) of its reduced chunk and feeds the rest back through its residual; indices "
-        "travel as LEB128 varint gaps, values as float32. The all_gather exchange these figures replace is in "
-        "git history (benchmarks/results/compression_digits.md before this change).",
+        "the top 2% of its reduced chunk (TopKState's default owner_density, 2 x density; 'owner 1%': 1%, the "
+        "default before) and feeds the rest back through its residual; indices "
+        "travel as LEB128 varint gaps, values as float32. Accuracy: one test sample is 0.34 points on digits "
+        "(297 samples); tinylm scores next-character accuracy over its 187 test windows of 32 characters.",
         "",
         "## Targets",
         "",

@@ -437,8 +437,11 @@ class TopKState(_CompressionState):
     ``"float16"`` or ``"bfloat16"``; None: the bucket's dtype (float32 unless a 16-bit
     wrapper cast it). Wire rounding goes into the residual.
     ``owner_density``: on the sparse all-reduce, each chunk owner sends back the top
-    ``owner_density`` of its reduced chunk (None: ``density``; 0: every nonzero entry,
-    the exact sum of all ranks' selections); what it drops goes into its residual.
+    ``owner_density`` of its reduced chunk (None: ``2 * density``, at most 1; 0: every
+    nonzero entry, the exact sum of all ranks' selections); what it drops goes into its
+    residual. Keeping only ``density`` there (the default before) dropped up to half of
+    the ranks' selections at 2 ranks and cost accuracy with momentum SGD
+    (docs/compression.md, *Accuracy with the user's optimizer*).
     ``momentum``: DGC's momentum correction (Lin et al. 2018): the hook keeps a velocity
     ``u <- momentum * u + g`` per parameter and selects from ``u + residual``; the selected
     entries of ``u`` are zeroed (momentum factor masking). Use it with an optimizer without
@@ -465,7 +468,7 @@ class TopKState(_CompressionState):
         self.density = density
         self.exact = bool(exact)
         self.value_dtype = value_dtype
-        self.owner_density = density if owner_density is None else float(owner_density)
+        self.owner_density = min(1.0, 2.0 * density) if owner_density is None else float(owner_density)
         self.momentum = float(momentum)
 
     def _config(self) -> Dict[str, Any]:

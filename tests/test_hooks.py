@@ -19,8 +19,10 @@ world size (spawning ranks that import torch costs seconds):
 * no_sync() gradient accumulation with each hook;
 * checkpoint mid-training (hook state + model + optimizer), a new model/DDP/state
   loaded from it: the following losses equal an uninterrupted run's exactly;
-* DGC momentum correction (TopKState(momentum=0.9), plain SGD) ends well below top-k with
-  the optimizer's momentum, on both exchanges, and its momenta survive a checkpoint.
+* DGC momentum correction (TopKState(momentum=0.9), plain SGD) ends below top-k with
+  the optimizer's momentum, on both exchanges, and its momenta survive a checkpoint;
+* the default owner step of the sparse all-reduce keeps 2 x density of every owned piece
+  (on 2 ranks, evenly spread disjoint selections come through whole).
 """
 from __future__ import annotations
 
@@ -404,6 +406,32 @@ def _collective_checks(ctx, params, grads, results):
                 problems.append(f"allreduce_quantized q{bits}: parameter {i} differs from "
                                 f"codec(sum of codecs) / world (max diff {(got[i] - expected).abs().max():.3g})")
         results[f"pycomm_q{bits}"] = torch.cat(got)
+    # the default owner step keeps 2 x density of every owned piece: with the ranks' top-k
+    # entries disjoint and spread evenly (rank r: positions r, r + 20, r + 40, ...; k = 20 of
+    # 400), every owner keeps min(union in its piece, ceil(0.1 piece)) entries; on 2 ranks that
+    # is the whole union, so the result is the exact mean of the ranks' selections. (owner
+    # keeping only `density`, the default before: half of the union dropped.)
+    n, k = 400, 20
+    owner_params = [torch.zeros(n)]
+
+    def spread(rank):
+        g = torch.full((n,), 1e-3)
+        g[torch.arange(k) * (n // k) + rank] = 1.0 + rank
+        return g
+
+    got = _run_buckets(H.TopKState(density=0.05), H.topk_hook, owner_params, [spread(ctx.rank)], [[0]])[0]
+    union = sum(torch.where(spread(r) >= 1.0, spread(r), torch.zeros(n)) for r in range(world)) / world
+    bounds = [0]
+    for c in range(world):  # balanced pieces, the first n % world one longer (comm.cc balancedOffsets)
+        bounds.append(bounds[-1] + n // world + (1 if c < n % world else 0))
+    want = sum(min(int((union[lo:hi] != 0).sum()), math.ceil(0.1 * (hi - lo) - 1e-9))
+               for lo, hi in zip(bounds, bounds[1:]))
+    if int((got != 0).sum()) != want:
+        problems.append(f"default owner step: {int((got != 0).sum())} entries in the result, expected {want} "
+                        f"(owners keep 2 x density of their pieces)")
+    if world == 2 and not torch.allclose(got, union):
+        problems.append(f"default owner step on 2 ranks: the result is not the mean of the ranks' selections "
+                        f"(max diff {(got - union).abs().max():.3g})")
     # error feedback loses nothing: world * result + sum of new residuals == sum over ranks of
     # (gradient + old residual), for the sparse and the quantized all-reduce, over two steps
     for name, factory, hook in (
@@ -590,8 +618,10 @@ def _momentum_checks(ctx):
         losses = out[name][0]
         if not _tail(losses) < 0.5 * sum(losses[:10]) / 10:
             problems.append(f"{name}: loss went from {sum(losses[:10]) / 10:.4f} to only {_tail(losses):.4f}")
-        if not _tail(losses) < 0.75 * plain:
-            problems.append(f"{name}: final loss {_tail(losses):.4f} not below 0.75 x top-k with SGD "
+        # (0.75 x before the owners kept 2 x density by default: that default narrowed the gap
+        # on 3 ranks, 0.23 -> 0.20, docs/compression.md)
+        if not _tail(losses) < plain:
+            problems.append(f"{name}: final loss {_tail(losses):.4f} not below top-k with SGD "
                             f"momentum ({plain:.4f})")
     # checkpoint: momenta travel in state_dict; a resumed run repeats the uninterrupted one
     def train(state, model, start, steps):
@@ -745,7 +775,7 @@ def _check_bytes(rets, world):
     # sparse all-reduce: at most k pairs per rank in phase 1 and the owners' kept entries to
     # (n-1) ranks in phase 2; an index costs at most 3 bytes (gaps < 2^21), a header 16 bytes
     k = sum(K.topk_count(m, 0.01) for m in numels)
-    kept = sum(K.topk_count(p, 0.01) for m in numels for p in _pieces(m, world, 1) if p)
+    kept = sum(K.topk_count(p, 0.02) for m in numels for p in _pieces(m, world, 1) if p)  # owners keep 2 x density
     headers = 2 * world * (world - 1) * 2 * 16
     for name, value_bytes in (("topk1%", 4), ("topk1%_fp16", 2)):
         report(name, (world * k + (world - 1) * kept) * (3 + value_bytes) + headers, exact=False)
