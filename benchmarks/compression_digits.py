@@ -112,7 +112,8 @@ def _register(ddp, name, group=None):
 
 def _topk_state(name, group=None):
     """TopKState from a config name: "topk D% EF" (the defaults but density), then any of
-    " owner P%" / " owner all" (owner_density P / 0), " exact", " noEF"."""
+    " owner P%" / " owner all" (owner_density P / 0), " exact", " noEF", " fused"
+    (schedule="step"), " small-dense" (min_compression_rate 45)."""
     from pycomm import hooks
 
     words = name.split()
@@ -124,6 +125,10 @@ def _topk_state(name, group=None):
     if "owner" in words:
         value = words[words.index("owner") + 1]
         kwargs["owner_density"] = 0.0 if value == "all" else float(value.rstrip("%")) / 100
+    if "fused" in words:  # one sparse all-reduce per step (TopKState(schedule="step"))
+        kwargs["schedule"] = "step"
+    if "small-dense" in words:  # min_compression_rate 45: here the biases go dense (the MLP's 512/10-element ones)
+        kwargs["min_compression_rate"] = 45.0
     return hooks.TopKState(group, **kwargs)
 
 
@@ -361,11 +366,11 @@ def _plot(settings, path, title):
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7, ncol=2)
     labels = [s["label"] for s in settings]
-    names = [r["config"] for r in settings[0]["rows"]]
-    width = 0.8 / len(names)
+    names = [r["config"] for r in settings[0]["rows"]] if settings else []
+    width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         vals = [next(r for r in s["rows"] if r["config"] == name)["median_step_s"] * 1e3 for s in settings]
-        ax2.bar([j + (i - len(CONFIGS) / 2 + 0.5) * width for j in range(len(settings))], vals, width, label=name)
+        ax2.bar([j + (i - len(names) / 2 + 0.5) * width for j in range(len(settings))], vals, width, label=name)
     ax2.set_xticks(range(len(settings)))
     ax2.set_xticklabels(labels, fontsize=7, rotation=15)
     ax2.set_yscale("log")
@@ -414,10 +419,8 @@ def _verdicts(settings):
     for s in settings:
         if s["network"] == "loopback":
             continue
-        for name in ("topk 1% EF", "topk 1% EF owner 1%"):
-            r = next((x for x in s["rows"] if x["config"] == name), None)
-            if r is None:
-                continue
+        for name in [r["config"] for r in s["rows"] if r["config"].startswith("topk 1% EF")]:
+            r = next(x for x in s["rows"] if x["config"] == name)
             lines.append({"setting": s["label"],
                           "target": f"slow link: {name} step >= {SLOW_STEP_TARGET}x faster than dense",
                           "accuracy": f"{r['acc_delta_points']:+.2f} pt", "bytes": f"{r['bytes_reduction']:.2f}x",
@@ -496,7 +499,10 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--init", default="", help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs to run")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="comma-separated configs to run (default: every one in CONFIGS; top-k names also "
+                             "take ' owner P%%' / ' owner all', ' exact', ' noEF', ' fused', ' small-dense'); "
+                             "must include dense")
     parser.add_argument("--tasks", default=DEFAULT_TASKS,
                         help=f"comma-separated tasks ({', '.join(TASKS)}); default {DEFAULT_TASKS}")
     parser.add_argument("--task", default="digits-sgd", help=argparse.SUPPRESS)  # worker: this run's task

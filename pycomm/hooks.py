@@ -83,6 +83,9 @@ _EXCHANGES = ("auto", "allgather")
 # Parameters smaller than this use the exact top-k kernel even when exact=False: the fused
 # sampled-threshold kernel only wins from about 2^20 elements (measured on this machine).
 _APPROX_MIN_NUMEL = 1 << 20
+# TopKState(schedule=...): "bucket" starts each bucket's sparse all-reduce as DDP hands the
+# bucket over; "step" encodes each bucket as it comes and sends the whole step in one.
+_SCHEDULES = ("bucket", "step")
 _VALUE_DTYPES = {None: None, "float32": torch.float32, "float16": torch.float16,
                  "bfloat16": torch.bfloat16}
 _STATE_VERSION = 1
@@ -364,7 +367,8 @@ class _CompressionState:
     def _begin(self, bucket) -> int:
         """The step this bucket belongs to; counts the step when the last bucket arrives."""
         step = self.step
-        if bucket.is_last():
+        self._last = bool(bucket.is_last())
+        if self._last:
             self.step += 1
         return step
 
@@ -445,7 +449,16 @@ class TopKState(_CompressionState):
     ``momentum``: DGC's momentum correction (Lin et al. 2018): the hook keeps a velocity
     ``u <- momentum * u + g`` per parameter and selects from ``u + residual``; the selected
     entries of ``u`` are zeroed (momentum factor masking). Use it with an optimizer without
-    momentum (plain SGD): the hook applies it. 0 (default): off."""
+    momentum (plain SGD): the hook applies it. 0 (default): off.
+    ``schedule`` (sparse all-reduce only): ``"bucket"`` (default) starts each bucket's
+    collective as DDP hands the bucket over, so it runs while backward goes on;
+    ``"step"`` encodes each bucket as it comes and sends the whole step in one collective
+    from the last bucket (fewer rounds; no overlap with backward). Same numbers either way.
+    ``min_compression_rate`` (sparse all-reduce only): a parameter whose dense bytes are
+    below ``min_compression_rate`` times its top-k pairs' bytes is not sparsified but
+    averaged exactly, all such parameters of a bucket (of a step, with ``schedule="step"``)
+    in one dense all-reduce (:meth:`compressed` states the rule); its residual becomes zero.
+    0 (default): every parameter is sparsified."""
 
     _kind = "topk"
     _op = "topk_hook"
@@ -453,8 +466,14 @@ class TopKState(_CompressionState):
     def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
                  warmup_steps: int = 0, exact: bool = False, *, seed: int = 0,
                  exchange: str = "auto", value_dtype: Optional[str] = None,
-                 owner_density: Optional[float] = None, momentum: float = 0.0):
+                 owner_density: Optional[float] = None, momentum: float = 0.0,
+                 schedule: str = "bucket", min_compression_rate: float = 0.0):
         density = float(density)
+        if schedule not in _SCHEDULES:
+            raise ValueError(f"pycomm topk_hook: schedule must be one of {', '.join(_SCHEDULES)} "
+                             f"(got {schedule!r})")
+        if not float(min_compression_rate) >= 0.0:
+            raise ValueError(f"pycomm topk_hook: min_compression_rate must be >= 0 (got {min_compression_rate!r})")
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"pycomm topk_hook: momentum must be in [0, 1) (got {momentum!r})")
         if not 0.0 < density <= 1.0:
@@ -470,12 +489,37 @@ class TopKState(_CompressionState):
         self.value_dtype = value_dtype
         self.owner_density = min(1.0, 2.0 * density) if owner_density is None else float(owner_density)
         self.momentum = float(momentum)
+        self.schedule = schedule
+        self.min_compression_rate = float(min_compression_rate)
+        self._pending: List["_PendingBucket"] = []  # schedule="step": this step's buckets so far
+        self._layout: Optional[Tuple[tuple, ...]] = None  # the last complete step's bucket layout
+        self._seen: List[tuple] = []  # this step's bucket layouts so far (learns _layout)
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
                 "warmup_steps": self.warmup_steps, "exchange": self.exchange,
                 "value_dtype": self.value_dtype, "owner_density": self.owner_density,
-                "momentum": self.momentum}
+                "momentum": self.momentum, "schedule": self.schedule,
+                "min_compression_rate": self.min_compression_rate}
+
+    def compressed(self, numel: int, element_bytes: int = 4, value_bytes: int = 4) -> bool:
+        """Whether a parameter of ``numel`` elements is sparsified (else it is averaged
+        exactly, in one dense all-reduce with the bucket's other small parameters): its
+        dense bytes must be at least ``min_compression_rate`` times its top-k pairs' bytes,
+        ``numel * element_bytes >= min_compression_rate * k * (4 + value_bytes)`` with
+        ``k = ceil(density * numel)``. 0 (the default) sparsifies every parameter."""
+        if self.min_compression_rate <= 0.0 or numel == 0:
+            return True
+        k = topk_count(numel, self.density)
+        return numel * element_bytes >= self.min_compression_rate * k * (4 + value_bytes)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._pending, self._seen = [], []
+
+    def reset_residuals(self) -> None:
+        super().reset_residuals()
+        self._pending, self._seen = [], []
 
 
 # The name pycomm.train's hook discovery derives from "topk_hook".
@@ -522,6 +566,9 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket, "topk")
     if done is not None:
         return done
+    if state.min_compression_rate > 0:
+        raise ValueError("pycomm topk_hook: min_compression_rate needs the sparse all-reduce of a pycomm group "
+                         "(exchange='auto'); the all_gather exchange sparsifies every parameter")
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
         u = None
@@ -664,40 +711,184 @@ def _averaged_into(buffer: torch.Tensor, world: int):
     return finish
 
 
-def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
+_WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _wire_dtype(state: TopKState, buffer: torch.Tensor) -> str:
+    if state.value_dtype is not None:
+        return state.value_dtype
+    return {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(buffer.dtype, "float32")
+
+
+def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, residual: Optional[torch.Tensor],
+                 rank: int, base: int, value_dtype: str):
     """Per parameter: top-k of gradient + residual with the fused C++ kernel (residual <- what
-    was not selected); then pycomm's sparse all-reduce (allreduce_sparse.cc): rank c owns
-    chunk c of every parameter, keeps the top ``density`` of each reduced chunk and feeds
-    back what it drops."""
+    was not selected). Returns (int64 indices + ``base``, float32 values, dense) where dense
+    lists ``(base + offset, gradient + residual)`` of the parameters too small to pay
+    (:meth:`TopKState.compressed`), whose residuals become zero: they are sent exactly."""
     from ._C import kernels
 
-    numel = buffer.numel()
-    rank = dist.get_rank(state.process_group)
-    residual = state._flat_residual(segments, numel)
     scratch = None if residual is not None else torch.zeros(max(n for _, _, n in segments))
     grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-    index_parts, value_parts = [], []
+    element_bytes, value_bytes = buffer.element_size(), _WIRE_BYTES[value_dtype]
+    index_parts, value_parts, dense = [], [], []
     for ordinal, offset, n in segments:
         g = grads[offset: offset + n]
         if state.momentum:
             g = state._velocity(ordinal, g, state.momentum)
         e = residual[offset: offset + n] if residual is not None else scratch[:n].zero_()
+        if not state.compressed(n, element_bytes, value_bytes):
+            dense.append((base + offset, g + e))
+            e.zero_()
+            if state.momentum:
+                g.zero_()  # every entry is sent: momentum factor masking clears the whole velocity
+            continue
         seed = _mix_seed(state.seed, rank, step, ordinal)
         exact = state.exact or n < _APPROX_MIN_NUMEL  # below it the exact radix select is as fast
         indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
         if state.momentum:
             g[indices] = 0.0  # momentum factor masking
-        index_parts.append(indices + offset)
+        index_parts.append(indices + (base + offset))
         value_parts.append(values)
-    indices = torch.cat(index_parts)
-    values = torch.cat(value_parts)
-    value_dtype = state.value_dtype
-    if value_dtype is None:
-        value_dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(buffer.dtype, "float32")
+    if not index_parts:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32), dense
+    return torch.cat(index_parts), torch.cat(value_parts), dense
+
+
+def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual, value_dtype, lengths,
+                      dense) -> torch.futures.Future:
+    """Starts the sparse all-reduce of (indices, values) into ``out`` and, when ``dense``
+    lists parameters too small to pay, one dense all-reduce (SUM) of all of them, issued
+    right after it (the same order on every rank). The future completes with ``out``
+    holding the sums of all ranks, the small parameters' included."""
+    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density, lengths)
+    fut = work.get_future()
+    if not dense:
+        return fut
+    flat = torch.cat([x for _, x in dense])
+    dense_fut = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
+
+    def place(all_done):
+        for f in all_done.value():
+            f.value()  # re-raises a failed collective
+        at = 0
+        for offset, x in dense:
+            out[offset: offset + x.numel()].copy_(flat[at: at + x.numel()])
+            at += x.numel()
+        return out
+
+    return torch.futures.collect_all([fut, dense_fut]).then(place)
+
+
+class _PendingBucket:
+    """schedule="step": one bucket encoded and waiting for the step's sparse all-reduce."""
+
+    __slots__ = ("buffer", "step", "numel", "lengths", "indices", "values", "dense", "value_dtype", "flat",
+                 "future")
+
+    def __init__(self, buffer, step, numel, lengths, indices, values, dense, value_dtype, flat):
+        self.buffer, self.step, self.numel, self.lengths = buffer, step, numel, lengths
+        self.indices, self.values, self.dense, self.value_dtype, self.flat = indices, values, dense, value_dtype, flat
+        self.future: torch.futures.Future = torch.futures.Future()
+
+
+def _launch_step(backend, state: TopKState, world: int) -> None:
+    """One sparse all-reduce (plus one dense one for small parameters) for every pending
+    bucket: they are a prefix of the step's layout, so their residuals are a prefix of the
+    step's flat residual and their indices already count from the step's start."""
+    pending, state._pending = state._pending, []
+    if not pending:
+        return
+    total = sum(p.numel for p in pending)
+    residual = pending[0].flat[:total] if pending[0].flat is not None else None
+    indices = torch.cat([p.indices for p in pending])
+    values = torch.cat([p.values for p in pending])
+    lengths = [n for p in pending for n in p.lengths]
+    dense = [d for p in pending for d in p.dense]
+    out = torch.empty(total, dtype=torch.float32)
+    try:
+        fut = _sparse_and_dense(backend, state, indices, values, out, residual, pending[0].value_dtype, lengths,
+                                dense)
+    except BaseException as exc:  # noqa: BLE001  (every waiting bucket learns of it)
+        for p in pending:
+            p.future.set_exception(exc)
+        raise
+
+    def finish(f):
+        try:
+            f.value()  # re-raises a failed collective
+            at = 0
+            for p in pending:
+                part = out[at: at + p.numel]
+                at += p.numel
+                if p.buffer.dtype == torch.float32:
+                    torch.div(part, world, out=p.buffer)
+                else:
+                    p.buffer.copy_(part.div_(world))
+                p.future.set_result(p.buffer)
+        except BaseException as exc:  # noqa: BLE001  (handed to DDP through the futures)
+            for p in pending:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+
+    fut.add_done_callback(finish)
+
+
+def _step_flat(state: TopKState, layout) -> Tuple[Optional[torch.Tensor], List[int]]:
+    """The step's residuals as one flat tensor over every bucket of ``layout`` (None without
+    error feedback) and each bucket's start in it."""
+    bases, global_segments, at = [], [], 0
+    for segments in layout:
+        bases.append(at)
+        for ordinal, offset, n in segments:
+            global_segments.append((ordinal, at + offset, n))
+        at += sum(n for _, _, n in segments)
+    return state._flat_residual(global_segments, at), bases
+
+
+def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
+    """Per parameter: top-k of gradient + residual with the fused C++ kernel (residual <- what
+    was not selected); then pycomm's sparse all-reduce (allreduce_sparse.cc): rank c owns
+    chunk c of every parameter, keeps the top ``density`` of each reduced chunk and feeds
+    back what it drops. Parameters too small to pay go in one dense all-reduce.
+
+    ``schedule="bucket"``: each bucket's collective starts as DDP hands the bucket over.
+    ``schedule="step"``: each bucket is encoded as it comes, and the step's last bucket
+    starts one collective for all of them (the layout is learned from the previous step;
+    a step whose layout differs, such as the first, or DDP's rebuild, runs per bucket).
+    Ownership and seeds are per parameter, so both give the same numbers."""
+    rank = dist.get_rank(state.process_group)
+    value_dtype = _wire_dtype(state, buffer)
+    numel = buffer.numel()
+    lengths = [n for _, _, n in segments]
+    if state.schedule == "step":
+        last = state._last
+        if state._pending and state._pending[0].step != step:
+            _launch_step(backend, state, world)  # a step that never reached its last bucket
+        key = tuple(segments)
+        state._seen.append(key)
+        layout, position = state._layout, len(state._pending)
+        if last:
+            state._layout, state._seen = tuple(state._seen), []
+        fits = (layout is not None and position < len(layout) and layout[position] == key
+                and last == (position == len(layout) - 1)
+                and all(p.value_dtype == value_dtype for p in state._pending))
+        if fits:
+            flat, bases = _step_flat(state, layout)
+            base = bases[position]
+            residual = flat[base: base + numel] if flat is not None else None
+            indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, base, value_dtype)
+            pending = _PendingBucket(buffer, step, numel, lengths, indices, values, dense, value_dtype, flat)
+            state._pending.append(pending)
+            if last:
+                _launch_step(backend, state, world)
+            return pending.future
+        _launch_step(backend, state, world)  # buckets of this step already waiting go first
+    residual = state._flat_residual(segments, numel)
+    indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, 0, value_dtype)
     out = torch.empty(numel, dtype=torch.float32)
-    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density,
-                                    [n for _, _, n in segments])
-    return work.get_future().then(_averaged_into(buffer, world))
+    fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense)
+    return fut.then(_averaged_into(buffer, world))
 
 
 def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):
