@@ -51,11 +51,13 @@ def _interface_of(address: str) -> Optional[str]:
 
 def link_gbps(address: str, sys_class_net: str = "/sys/class/net") -> Optional[float]:
     """The speed (Gbit/s) of the interface holding ``address``, from the kernel
-    (/sys/class/net/IF/speed, Mbit/s); None for loopback or an unknown speed."""
+    (/sys/class/net/IF/speed, Mbit/s); None for loopback, an unknown speed, or a
+    virtual interface (no /sys/class/net/IF/device: veth, bridge, tun), whose
+    reported speed is a constant (a veth says 10000) rather than a link's."""
     if not address or address.startswith("127."):
         return None
     name = _interface_of(address)
-    if name is None:
+    if name is None or not os.path.exists(os.path.join(sys_class_net, name, "device")):
         return None
     try:
         with open(os.path.join(sys_class_net, name, "speed")) as handle:

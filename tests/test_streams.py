@@ -149,7 +149,7 @@ def test_stream_knobs_reach_the_group_config():
             config.load_config({name: bad})
 
 
-def test_auto_fills_the_link_with_the_fewest_streams(tmp_path):
+def test_auto_fills_the_link_with_the_fewest_streams(tmp_path, monkeypatch):
     from pycomm import config, streams
 
     # min(B, s x per-stream): 100 Gbit/s at 12 Gbit/s per stream needs 9 streams.
@@ -165,5 +165,15 @@ def test_auto_fills_the_link_with_the_fewest_streams(tmp_path):
                     '"shm_alpha": 1e-6, "shm_beta": 1e-11}, "streams": {"per_stream_gbps": 12.5}}')
     assert config.load_config({"PYCOMM_COST_MODEL": str(path)}).per_stream_gbps == 12.5
     assert config.load_config({"PYCOMM_COST_MODEL": "default"}).per_stream_gbps is None
-    # A link's speed is the kernel's, in Mbit/s; loopback has none.
+    # A link's speed is the kernel's, in Mbit/s; loopback has none, nor has a virtual
+    # interface (a veth reports 10000 whatever its tc limit).
     assert streams.link_gbps("127.0.0.1") is None
+    fake = tmp_path / "net"
+    (fake / "eth9").mkdir(parents=True)
+    (fake / "eth9" / "speed").write_text("25000\n")
+    monkeypatch.setattr(streams, "_interface_of", lambda address: "eth9")
+    assert streams.link_gbps("10.0.0.1", str(fake)) is None  # no device: virtual
+    (fake / "eth9" / "device").mkdir()
+    assert streams.link_gbps("10.0.0.1", str(fake)) == 25.0
+    (fake / "eth9" / "speed").write_text("-1\n")
+    assert streams.link_gbps("10.0.0.1", str(fake)) is None
