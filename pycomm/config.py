@@ -41,6 +41,17 @@ PYCOMM_COST_MODEL      (cache)    the constants of the all-reduce cost model tha
                                   (python -m pycomm.plan --calibrate writes it),
                                   "default" = the built-in constants, or the path of
                                   a calibration JSON. Every rank uses rank 0's
+PYCOMM_SOCKETS_PER_PEER auto     TCP streams per pair of ranks (1..16): a message of
+                                  128 KiB or more is cut into one stripe per stream,
+                                  so one large message fills a link that one stream
+                                  cannot. auto: the fewest streams that fill the link
+                                  (its speed from /sys/class/net, this host's
+                                  per-stream throughput from the calibration cache;
+                                  pycomm.streams), 1 when either is unknown
+                                  (loopback). Every rank uses rank 0's
+PYCOMM_IO_THREADS      auto       epoll threads driving the TCP streams (1..16, at
+                                  most one per stream). auto: one per stream, up to
+                                  half the CPUs
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -65,12 +76,14 @@ import socket
 import struct
 
 from . import _C
+from .streams import MAX_IO_THREADS, MAX_STREAMS, choose_streams, link_gbps
 
 __all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", "ALGORITHMS", "TRANSPORTS",
-           "COST_FIELDS", "cost_cache_path", "read_cost_model"]
+           "COST_FIELDS", "cost_cache_path", "read_cost_model", "resolve_streams"]
 
 ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK",
-            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE", "PYCOMM_COST_MODEL")
+            "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE", "PYCOMM_COST_MODEL",
+            "PYCOMM_SOCKETS_PER_PEER", "PYCOMM_IO_THREADS")
 # "auto" and the all-reduce table's names, from the C++ core (allreduce_registry.h).
 ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -95,6 +108,12 @@ class Config:
     # The cost model's constants ({field: seconds} over COST_FIELDS), or None for the
     # built-in ones (PYCOMM_COST_MODEL).
     cost_model: dict | None = None
+    # TCP streams per peer and I/O threads: "auto" or a count (PYCOMM_SOCKETS_PER_PEER,
+    # PYCOMM_IO_THREADS), and one stream's throughput on this host in Gbit/s (the
+    # calibration's, None when not measured) that auto chooses with.
+    sockets_per_peer: int | str = "auto"
+    io_threads: int | str = "auto"
+    per_stream_gbps: float | None = None
 
 
 def _flag(env, name: str, default: str) -> bool:
@@ -128,7 +147,47 @@ def load_config(environ=None) -> Config:
     spread = env.get("PYCOMM_SHM_SPREAD", "1").strip() != "0"
     return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
                   transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"),
-                  secret=_secret(env), cost_model=_cost_model(env))
+                  secret=_secret(env), cost_model=_cost_model(env),
+                  sockets_per_peer=_count(env, "PYCOMM_SOCKETS_PER_PEER", MAX_STREAMS),
+                  io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env))
+
+
+def _count(env, name: str, most: int) -> int | str:
+    raw = env.get(name, "auto").strip().lower() or "auto"
+    if raw == "auto":
+        return raw
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"pycomm: {name}={raw!r} is not auto or an integer") from None
+    if not 1 <= value <= most:
+        raise ValueError(f"pycomm: {name}={value} is out of range (1..{most}, or auto)")
+    return value
+
+
+def _per_stream(env) -> float | None:
+    """One TCP stream's throughput (Gbit/s) from the calibration PYCOMM_COST_MODEL
+    names, else this host's cache; None when not measured."""
+    knob = env.get("PYCOMM_COST_MODEL", "").strip()
+    path = knob if knob and knob != "default" else cost_cache_path(env)
+    try:
+        with open(path) as handle:
+            value = float(json.load(handle)["streams"]["per_stream_gbps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if value > 0 else None
+
+
+def resolve_streams(config: Config, bind_address: str, cpus: int | None = None) -> tuple:
+    """(sockets per peer, I/O threads) for a group listening on `bind_address`:
+    the knobs where set, else pycomm.streams.choose_streams."""
+    streams, threads = choose_streams(link_gbps(bind_address), config.per_stream_gbps, cpus)
+    if config.sockets_per_peer != "auto":
+        streams = int(config.sockets_per_peer)
+        threads = choose_streams(1.0, 1.0 / streams, cpus)[1] if streams > 1 else 1
+    if config.io_threads != "auto":
+        threads = int(config.io_threads)
+    return streams, threads
 
 
 def cost_cache_path(environ=None) -> str:
@@ -209,6 +268,7 @@ def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: s
     options.shm_spread = config.shm_spread
     options.debug = config.debug
     options.secret = config.secret
+    options.sockets_per_peer, options.io_threads = resolve_streams(config, bind_address)
     if config.cost_model is not None:
         for name, value in config.cost_model.items():
             setattr(options.cost, name, value)

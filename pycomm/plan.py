@@ -47,7 +47,7 @@ from .config import COST_FIELDS, cost_cache_path, read_cost_model
 
 __all__ = ["DEFAULT_MODEL", "Topology", "predict", "winners", "break_even_gbps", "calibrate", "validate",
            "calibrate_netns", "link_model", "validate_hosts", "validation_table", "oversubscription",
-           "load_calibration", "save_calibration", "main"]
+           "load_calibration", "save_calibration", "stream_lines", "main"]
 
 PREFIX = "pycomm plan:"
 # The built-in constants (common/cost_model.h).
@@ -209,21 +209,26 @@ def _fit_regimes(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
     return a, max(num / den, 0.0)
 
 
-def _sweep(algo: str, transport: str, max_bytes: int, iters: int) -> List[Tuple[float, float]]:
-    """(bytes, seconds) of pycomm's 2-rank all-reduce with ``algo`` over ``transport``."""
+def _sweep(algo: str, transport: str, max_bytes: int, iters: int, sockets: int = 1,
+           min_bytes: int = 8) -> List[Tuple[float, float]]:
+    """(bytes, seconds) of pycomm's 2-rank all-reduce with ``algo`` over ``transport``
+    (``sockets`` TCP streams per peer, one I/O thread each)."""
     from .bench import BenchConfig, run_benchmark
 
-    saved = os.environ.get("PYCOMM_TRANSPORT")
-    os.environ["PYCOMM_TRANSPORT"] = transport
+    knobs = {"PYCOMM_TRANSPORT": transport, "PYCOMM_SOCKETS_PER_PEER": str(sockets),
+             "PYCOMM_IO_THREADS": str(sockets)}
+    saved = {name: os.environ.get(name) for name in knobs}
+    os.environ.update(knobs)
     try:
-        cfg = BenchConfig(nprocs=2, min_bytes=8, max_bytes=max_bytes, step_factor=4, iters=iters, warmup=3,
-                          algos=(algo,), peer=None, check=False, quiet=True, tcp_reference=False)
+        cfg = BenchConfig(nprocs=2, min_bytes=min_bytes, max_bytes=max_bytes, step_factor=4, iters=iters,
+                          warmup=3, algos=(algo,), peer=None, check=False, quiet=True, tcp_reference=False)
         result = run_benchmark(cfg)
     finally:
-        if saved is None:
-            os.environ.pop("PYCOMM_TRANSPORT", None)
-        else:
-            os.environ["PYCOMM_TRANSPORT"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return [(float(row["size_bytes"]), row["time_us"] * 1e-6) for row in result.rows if row["time_us"]]
 
 
@@ -266,13 +271,21 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) 
     model = {"alpha": max(a / 2.0, 1e-7), "beta": 0.0, "gamma": gamma, "delta": DEFAULT_MODEL["delta"],
              "shm_alpha": max(sa / 2.0, 1e-8), "shm_beta": max(sb - gamma / 2.0, 1e-13),
              "cpu_beta": max(b - gamma / 2.0, 1e-12)}
+    # One TCP stream (one socket per peer, one I/O thread): cpu_beta is its time per byte
+    # over loopback, so 8 / cpu_beta bit/s is what one stream moves here (pycomm.streams).
+    # The ring at the largest size with 2 and 4 streams shows what more streams do on this host.
+    streams = {"per_stream_gbps": 8.0 / model["cpu_beta"] / 1e9, "ring_seconds": {"1": tcp[-1][1]}}
+    for count in (2, 4):
+        streams["ring_seconds"][str(count)] = _sweep("ring", "tcp", max_bytes, iters, count, max_bytes)[-1][1]
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "model": model, "codec": codec, "points": {"ring_tcp": tcp, "shm": shm},
+                   "model": model, "codec": codec, "points": {"ring_tcp": tcp, "shm": shm}, "streams": streams,
                    "note": "beta 0: TCP loopback has no link limit, cpu_beta is its cost per byte; "
                            "delta is the built-in default (not measured: it needs 3+ ranks)"}
     if verbose:
         print(f"# calibrated on {calibration['host']}: " + ", ".join(f"{k} {_fmt_const(k, v)}"
                                                                    for k, v in model.items()))
+        print(f"# one TCP stream: {streams['per_stream_gbps']:.2f} Gbit/s; ring of {_size(max_bytes)}, 2 ranks: "
+              + ", ".join(f"{n} stream(s) {t * 1e3:.2f} ms" for n, t in streams["ring_seconds"].items()))
     return calibration
 
 
@@ -669,6 +682,22 @@ def _uptime() -> str:
         return "unknown"
 
 
+def stream_lines(per_stream: Optional[float], link: Optional[float], where: str) -> List[str]:
+    """The TCP stream model (pycomm.streams): what 1, 2, 4, 8 and 16 streams move over
+    ``link`` Gbit/s when one moves ``per_stream``, and what auto picks."""
+    from .streams import choose_streams, stream_gbps
+
+    sockets, threads = choose_streams(link, per_stream)
+    head = (f"# TCP streams: one stream moves {per_stream:.2f} Gbit/s on this host (calibration)"
+            if per_stream else "# TCP streams: per-stream throughput not measured (python -m pycomm.plan --calibrate)")
+    lines = [head + f"; link {f'{link:g} Gbit/s' if link else 'speed unknown'} ({where})"]
+    if per_stream:
+        lines.append("#   streams -> Gbit/s, min(link, streams x per-stream): " + ", ".join(
+            f"{n} -> {stream_gbps(n, link, per_stream):.1f}" for n in (1, 2, 4, 8, 16)))
+    lines.append(f"#   auto: PYCOMM_SOCKETS_PER_PEER={sockets}, PYCOMM_IO_THREADS={threads}")
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pycomm.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibrate", action="store_true", help="measure this host and cache the constants")
@@ -700,6 +729,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"# cached: {save_calibration(calibration, args.model)}")
         model, codec, source = load_calibration(args.model)
         print(f"# model from {source}: " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()))
+        from .config import _per_stream, bind_address, load_config
+        from .streams import link_gbps
+        per_stream = _per_stream({"PYCOMM_COST_MODEL": args.model} if args.model else os.environ)
+        if args.bandwidth:
+            print("\n".join(stream_lines(per_stream, args.bandwidth, "--bandwidth")))
+        else:
+            address = bind_address(load_config())
+            print("\n".join(stream_lines(per_stream, link_gbps(address), f"this host's {address}")))
         if args.hosts is not None:
             topology = Topology(args.hosts, args.ranks_per_host, args.bandwidth, args.latency)
             print("\n".join(table(model, codec, topology)))

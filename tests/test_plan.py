@@ -207,6 +207,9 @@ def test_cli_predicts_without_a_calibration(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "built-in constants" in proc.stdout and "4 ranks" in proc.stdout
     assert "link speed below which" in proc.stdout and "4096 ranks (512 hosts)" in proc.stdout
+    # The TCP stream model: uncalibrated, one stream (per-stream throughput unknown).
+    assert "TCP streams: per-stream throughput not measured" in proc.stdout, proc.stdout
+    assert "auto: PYCOMM_SOCKETS_PER_PEER=1, PYCOMM_IO_THREADS=1" in proc.stdout, proc.stdout
     proc = subprocess.run([sys.executable, "-m", "pycomm.plan", "--model", str(tmp_path / "none.json"),
                            "--hosts", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 1 and "hosts and ranks per host must be >= 1" in proc.stderr
@@ -219,6 +222,9 @@ def test_calibrate_and_cache(tmp_path):
     assert all(m[name] > 0 for name in ("alpha", "cpu_beta", "gamma", "shm_alpha", "shm_beta")), m
     assert m["beta"] == 0.0  # loopback: no link, the TCP copies (cpu_beta) are the cost
     assert calibration["codec"]["topk"] > 0 and calibration["points"]["ring_tcp"]
+    streams = calibration["streams"]
+    assert streams["per_stream_gbps"] > 0 and sorted(streams["ring_seconds"]) == ["1", "2", "4"], streams
+    assert all(t > 0 for t in streams["ring_seconds"].values()), streams
     path = plan.save_calibration(calibration, str(tmp_path / "c.json"))
     loaded, codec, source = plan.load_calibration(path)
     assert loaded == pytest.approx(m) and source == path and codec == calibration["codec"]

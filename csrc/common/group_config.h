@@ -40,6 +40,11 @@ struct GroupConfig {
   // are authenticated with a key derived from it and nothing secret is written to the
   // store. Empty: rank 0 draws a random secret into the store. Never logged.
   std::string secret;
+  // TCP streams per pair of ranks (PYCOMM_SOCKETS_PER_PEER, 1..16; rank 0's is
+  // used by every rank) and epoll I/O threads (PYCOMM_IO_THREADS, 1..16). config.py
+  // resolves `auto` (plan.py's stream model) before it gets here.
+  int socketsPerPeer = 1;
+  int ioThreads = 1;
   // The cost model `auto` chooses the all-reduce algorithm with (the host's cached
   // calibration, PYCOMM_COST_MODEL; the built-in defaults otherwise).
   CostModel cost;

@@ -16,6 +16,8 @@ GroupTransport bootstrapGroup(KeyValueStore& store, int rank, int size, const Gr
   options.connectTimeout = config.timeout;
   options.storePrefix = config.storePrefix;
   options.secret = config.secret;
+  options.socketsPerPeer = config.socketsPerPeer;
+  options.ioThreads = config.ioThreads;
   GroupTransport group;
   // TCP first: it names a rank that never joins; once it is up every rank is
   // here, so the host-key exchange below does not wait on a missing one.

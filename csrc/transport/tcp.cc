@@ -1,6 +1,6 @@
 // TcpTransport's lifecycle: construction (connect the mesh, then hand the
-// sockets to the I/O thread), abort and destruction. Connection setup is in
-// tcp_connect.cc, the I/O thread in tcp_io.cc, posting and matching in tcp_match.cc.
+// streams to the I/O threads), abort and destruction. Connection setup is in
+// tcp_connect.cc, the I/O threads in tcp_io.cc, posting and matching in tcp_match.cc.
 #include "transport/tcp.h"
 
 #include <errno.h>
@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "common/error.h"
@@ -18,36 +19,65 @@ namespace pycomm {
 
 TcpTransport::TcpTransport(int rank, int size, KeyValueStore& store, const TcpOptions& options,
                            std::vector<int> globalRanks)
-    : rank_(rank), size_(size), maxUnexpectedBytes_(options.maxUnexpectedBytes), scratch_(1 << 16) {
+    : rank_(rank), size_(size), maxUnexpectedBytes_(options.maxUnexpectedBytes) {
+  PYCOMM_CHECK_USAGE(options.socketsPerPeer >= 1 && options.socketsPerPeer <= kMaxStreams,
+                     "pycomm: sockets per peer must be in 1..", kMaxStreams, " (PYCOMM_SOCKETS_PER_PEER), not ",
+                     options.socketsPerPeer);
+  PYCOMM_CHECK_USAGE(options.ioThreads >= 1 && options.ioThreads <= kMaxIoThreads,
+                     "pycomm: I/O threads must be in 1..", kMaxIoThreads, " (PYCOMM_IO_THREADS), not ",
+                     options.ioThreads);
   setGlobalRanks(std::move(globalRanks));
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
-  epollFd_ = epoll_create1(EPOLL_CLOEXEC);
-  wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  PYCOMM_CHECK_INTERNAL(epollFd_ >= 0 && wakeFd_ >= 0, "epoll/eventfd: ", errnoText(errno));
-  epoll_event wakeEvent{};
-  wakeEvent.events = EPOLLIN;
-  wakeEvent.data.u64 = kWakeId;
-  epoll_ctl(epollFd_, EPOLL_CTL_ADD, wakeFd_, &wakeEvent);
-  try {
-    connectMesh(store, options);
-  } catch (...) {
+  auto closeAll = [this] {
     for (auto& peer : peers_)
-      if (peer->fd >= 0) ::close(peer->fd);
+      for (auto& s : peer->streams)
+        if (s->fd >= 0) ::close(s->fd);
     if (listenFd_ >= 0) ::close(listenFd_);
-    ::close(epollFd_);
-    ::close(wakeFd_);
+  };
+  try {
+    connectMesh(store, options);  // sets socketsPerPeer_ and every stream's fd
+  } catch (...) {
+    closeAll();
     throw;
   }
-  for (int i = 0; i < size_; ++i) {
-    if (i == rank_) continue;
-    setNonBlocking(peers_[i]->fd);
-    setNoDelay(peers_[i]->fd);
-    epoll_event event{};
-    event.events = EPOLLIN;
-    event.data.u64 = static_cast<uint64_t>(i);
-    epoll_ctl(epollFd_, EPOLL_CTL_ADD, peers_[i]->fd, &event);
+  // No more threads than streams; streams go round-robin over them, so each
+  // peer's streams land on different threads.
+  const int streams = (size_ - 1) * socketsPerPeer_;
+  io_.resize(static_cast<size_t>(std::max(1, std::min(options.ioThreads, streams))));
+  for (auto& t : io_) {
+    t.epollFd = epoll_create1(EPOLL_CLOEXEC);
+    t.wakeFd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    t.scratch.resize(1 << 16);
+    if (t.epollFd < 0 || t.wakeFd < 0) {
+      const int err = errno;
+      closeAll();
+      for (auto& u : io_) {
+        if (u.epollFd >= 0) ::close(u.epollFd);
+        if (u.wakeFd >= 0) ::close(u.wakeFd);
+      }
+      PYCOMM_CHECK_INTERNAL(false, "epoll/eventfd: ", errnoText(err));
+    }
+    epoll_event wakeEvent{};
+    wakeEvent.events = EPOLLIN;
+    wakeEvent.data.u64 = kWakeId;
+    epoll_ctl(t.epollFd, EPOLL_CTL_ADD, t.wakeFd, &wakeEvent);
   }
-  ioThread_ = std::thread([this] { ioLoop(); });
+  int next = 0;
+  for (int k = 0; k < socketsPerPeer_; ++k)
+    for (int i = 0; i < size_; ++i) {
+      if (i == rank_) continue;
+      Stream& s = *peers_[i]->streams[k];
+      s.thread = next++ % static_cast<int>(io_.size());
+      setNonBlocking(s.fd);
+      setNoDelay(s.fd);
+      // Streams > 0 are read only when stream 0 announced a stripe for them.
+      s.readPaused = k > 0;
+      epoll_event event{};
+      event.events = s.readPaused ? 0 : EPOLLIN;
+      event.data.u64 = eventId(i, k);
+      epoll_ctl(io_[s.thread].epollFd, EPOLL_CTL_ADD, s.fd, &event);
+    }
+  for (int t = 0; t < static_cast<int>(io_.size()); ++t) io_[t].thread = std::thread([this, t] { ioLoop(t); });
 }
 
 TcpTransport::~TcpTransport() {
@@ -55,21 +85,35 @@ TcpTransport::~TcpTransport() {
   if (listenFd_ >= 0) ::close(listenFd_);
 }
 
+int TcpTransport::currentIoThread() const {
+  const auto self = std::this_thread::get_id();
+  for (int t = 0; t < static_cast<int>(io_.size()); ++t)
+    if (io_[t].thread.get_id() == self) return t;
+  return -1;
+}
+
 void TcpTransport::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (abortReason_.empty()) abortReason_ = reason.empty() ? "aborted" : reason;
   }
-  // Stop the I/O thread first: after this nothing writes into user buffers.
+  // Stop the I/O threads first: after this nothing writes into user buffers.
   stop_.store(true, std::memory_order_release);
   wake();
-  if (ioThread_.joinable()) {
-    if (std::this_thread::get_id() == ioThread_.get_id()) ioThread_.detach();
-    else ioThread_.join();
+  for (auto& t : io_) {
+    if (!t.thread.joinable()) continue;
+    if (std::this_thread::get_id() == t.thread.get_id()) {
+      t.thread.detach();
+    } else {
+      t.thread.join();
+    }
   }
   sendAbortNotices(abortReason_);
   std::vector<RequestPtr> failed;
   std::string message;
+  auto failStripe = [&](const Stripe& stripe) {
+    if (stripe.message && stripe.message->request) failed.push_back(stripe.message->request);
+  };
   {
     std::lock_guard<std::mutex> lock(mutex_);
     message = abortReason_;
@@ -86,29 +130,33 @@ void TcpTransport::abort(const std::string& reason) {
         if (u->claim == Unexpected::Claim::kWaiting) failed.push_back(u->waiter.request);
       p.unexpected.clear();
       p.parked = false;
-      if (p.recvRequest) failed.push_back(p.recvRequest);
-      p.recvRequest.reset();
-      p.recvBuffer.reset();
     }
   }
   for (auto& peerPtr : peers_) {
-    Peer& p = *peerPtr;
-    std::lock_guard<std::mutex> lock(p.sendMutex);
-    for (auto& send : p.sendQueue) failed.push_back(send.request);
-    p.sendQueue.clear();
-    if (p.fd >= 0) {
-      ::close(p.fd);
-      p.fd = -1;
+    for (auto& streamPtr : peerPtr->streams) {
+      Stream& s = *streamPtr;
+      std::lock_guard<std::mutex> lock(s.mutex);
+      // The I/O threads are gone (or this is one, leaving): their stripes too.
+      failStripe(s.current);
+      s.current = Stripe{};
+      for (auto& stripe : s.stripes) failStripe(stripe);
+      s.stripes.clear();
+      for (auto& send : s.sendQueue) failed.push_back(send.message->request);
+      s.sendQueue.clear();
+      if (s.fd >= 0) {
+        ::close(s.fd);
+        s.fd = -1;
+      }
     }
   }
   // Nothing polls any more: release the epoll and wake descriptors now, not when
   // the last Work holding this transport goes away.
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (epollFd_ >= 0 && !ioThread_.joinable()) {
-      ::close(epollFd_);
-      ::close(wakeFd_);
-      epollFd_ = wakeFd_ = -1;
+    for (auto& t : io_) {
+      if (t.epollFd >= 0) ::close(t.epollFd);
+      if (t.wakeFd >= 0) ::close(t.wakeFd);
+      t.epollFd = t.wakeFd = -1;
     }
   }
   for (auto& r : failed)

@@ -1,5 +1,11 @@
-// TCP transport: one connection per pair of ranks, non-blocking sockets, one
-// I/O thread per transport (epoll). Sends are written from the posting thread
+// TCP transport: `socketsPerPeer` connections (streams) per pair of ranks,
+// non-blocking sockets, `ioThreads` epoll I/O threads per transport, each
+// stream owned by one of them (spread round-robin). A message of at least
+// 2 x kMinStripeBytes is cut into stripes, one per stream (wire.h: stripeCount,
+// stripeOffset); stream 0 carries every header and the first stripe, the other
+// streams only stripe payloads, in the order of the headers, so a receiver
+// learns where stream k's next bytes go from stream 0. Messages between a pair
+// stay FIFO per tag as with one stream. Sends are written from the posting thread
 // when the socket has room (no hand-off for small messages); the rest, and every
 // receive, is driven by the I/O thread. Messages that arrive before their
 // receive is posted are buffered, so a send never waits for the receiver, up
@@ -47,7 +53,13 @@ struct TcpOptions {
   // from it and nothing secret goes into the store. Empty: rank 0 draws a random
   // secret into the store (`<prefix>secret`), so store access means membership.
   std::string secret;
+  // Streams per pair of ranks (1..kMaxStreams); rank 0's value is used by every rank.
+  int socketsPerPeer = 1;
+  // epoll threads (1..kMaxIoThreads; at most one per stream).
+  int ioThreads = 1;
 };
+
+constexpr int kMaxIoThreads = 16;
 
 class TcpTransport : public Transport {
  public:
@@ -88,65 +100,112 @@ class TcpTransport : public Transport {
     Claim claim = Claim::kNone;
     PostedRecv waiter;  // the claiming receive, when kWaiting
   };
-  struct PendingSend {
+  // A message being received over one or more streams; the last stripe to end
+  // (or be abandoned) settles it, so no request completes while a stream still
+  // writes into its buffer.
+  struct Inbound {
+    RequestPtr request;                  // matched a posted receive
+    std::shared_ptr<Unexpected> buffer;  // or is being buffered
+    bool discarding = false;             // or is being discarded (size mismatch)
+    bool abortNotice = false;            // or is the peer's abort notice
+    char* dst = nullptr;
+    size_t bytes = 0;
+    std::atomic<int> stripesLeft{1};
+    std::atomic<bool> lost{false};       // a stripe was abandoned (its peer was lost)
+  };
+  struct Stripe {
+    std::shared_ptr<Inbound> message;
+    size_t offset = 0;
+    size_t bytes = 0;
+  };
+  // A message being sent, over one or more streams.
+  struct Outbound {
     RequestPtr request;
+    size_t bytes = 0;
+    std::atomic<int> stripesLeft{1};
+  };
+  struct PendingSend {
+    std::shared_ptr<Outbound> message;
     WireHeader header;
+    bool withHeader;  // stream 0 sends the header first; the others payload only
     const char* data;
     size_t bytes;
-    size_t written;  // of header + payload
+    size_t written;   // of header (if any) + payload
+  };
+  struct Stream {
+    int fd = -1;
+    int peer = -1;
+    int index = 0;   // 0 carries the headers
+    int thread = 0;  // the I/O thread that owns it
+    // Guarded by mutex.
+    std::mutex mutex;
+    std::deque<PendingSend> sendQueue;
+    bool writeArmed = false;
+    bool readPaused = false;  // the epoll interest: EPOLLIN unless paused, EPOLLOUT when armed
+    std::deque<Stripe> stripes;  // streams > 0: the stripes announced on stream 0, in order
+    bool stripesClosed = false;  // its peer failed: stripes announced now are dropped at once
+    // Receive state machine: touched by the owning I/O thread only.
+    bool detached = false;  // taken out of its epoll set after its peer failed
+    WireHeader header{};    // stream 0
+    size_t headerGot = 0;
+    bool inPayload = false;
+    Stripe current;
+    size_t got = 0;
   };
   struct Peer {
-    int fd = -1;
+    std::vector<std::unique_ptr<Stream>> streams;
+    // Held while a message's stripes are queued, so every stream sees messages
+    // in the same order.
+    std::mutex postMutex;
     // Guarded by mutex_.
     std::string failure;
     std::deque<PostedRecv> posted;
     std::deque<std::shared_ptr<Unexpected>> unexpected;
-    // Guarded by sendMutex.
-    std::mutex sendMutex;
-    std::deque<PendingSend> sendQueue;
-    bool writeArmed = false;
-    bool readPaused = false;  // the epoll interest: EPOLLIN unless paused, EPOLLOUT when armed
-    // Receive state machine: touched by the I/O thread only.
-    WireHeader header{};
-    size_t headerGot = 0;
-    bool inPayload = false;
-    char* dst = nullptr;
-    size_t payloadBytes = 0;
-    size_t payloadGot = 0;
-    RequestPtr recvRequest;                  // matched a posted receive
-    std::shared_ptr<Unexpected> recvBuffer;  // or is being buffered
-    bool discarding = false;                 // or is being discarded (size mismatch)
-    bool parked = false;                     // or waits unread: no receive, no budget
-                                             // (written under mutex_)
-    bool readingAbort = false;               // or is the peer's abort notice
-    std::string abortText;
-    std::atomic<uint64_t> messagesIn{0};     // headers read from this peer
-    std::atomic<uint64_t> messagesOut{0};    // messages fully written to it
+    bool parked = false;  // stream 0 waits unread after a header: no receive, no budget
+                          // (written under mutex_ by stream 0's thread)
+    std::string abortText;                // stream 0's thread only
+    std::atomic<uint64_t> messagesIn{0};  // headers read from this peer
+    std::atomic<uint64_t> messagesOut{0}; // messages fully written to it
+  };
+  struct IoThread {
+    int epollFd = -1;
+    int wakeFd = -1;
+    std::thread thread;
+    std::vector<char> scratch;
   };
 
   void connectMesh(KeyValueStore& store, const TcpOptions& options);
-  void ioLoop();
-  void handleReadable(int peer);
-  void handleWritable(int peer);
-  // After a header: points the payload at a posted receive, a buffer, the
-  // discard path, or parks the stream. Returns whether reading may go on.
+  void ioLoop(int thread);
+  void handleReadable(int peer, int stream);
+  void handleWritable(int peer, int stream);
+  // After a header on stream 0: points the payload at a posted receive, a
+  // buffer, the discard path, or parks the stream; queues the other stripes on
+  // their streams. Returns whether reading may go on.
   bool matchIncoming(int peer);
-  // Gives each parked stream another chance (a receive was posted, or budget freed).
-  void retryParked();
-  // Stops (or resumes) watching `peer`'s socket for reads, keeping writes armed.
-  void pauseReads(int peer, bool paused);
-  void finishIncoming(int peer);
+  // Gives each parked stream owned by `thread` another chance.
+  void retryParked(int thread);
+  // Stops (or resumes) watching a stream's socket for reads, keeping writes armed.
+  void pauseReads(Stream& s, bool paused);
+  // Stream `s` read all of its current stripe; the last stripe settles the message.
+  void finishStripe(int peer, Stream& s);
+  void finishIncoming(int peer, const std::shared_ptr<Inbound>& message);
+  // Abandons one stripe of `message` (its peer was lost); the last one fails its receive.
+  void dropStripe(int peer, const std::shared_ptr<Inbound>& message);
+  // A message some stripe of which was lost, once no stream writes into it.
+  void failLostMessage(int peer, const std::shared_ptr<Inbound>& message);
   // Writes what the socket accepts; returns an error text ("" if none).
-  std::string flushSends(int peer, std::vector<RequestPtr>& done);
-  void armWrite(int peer, bool on);
-  // Marks `peer` lost, fails what waits on it, and closes its socket. `reason`
+  std::string flushSends(int peer, Stream& s, std::vector<RequestPtr>& done);
+  void armWrite(Stream& s, bool on);  // under s.mutex
+  // Marks `peer` lost, fails what waits on it, and shuts its sockets. `reason`
   // completes "rank R lost the connection to rank P (reason)" unless
   // `fullMessage` says it is the whole message already.
   void failPeer(int peer, const std::string& reason, bool fullMessage = false);
   // Tells every connected peer why this rank is aborting (best effort).
   void sendAbortNotices(const std::string& reason);
   void wake();
+  int currentIoThread() const;  // -1 off the I/O threads
   std::string lostMessage(int peer, const std::string& reason) const;
+  static uint64_t eventId(int peer, int stream) { return static_cast<uint64_t>(peer) * kMaxStreams + stream; }
 
   const int rank_;
   const int size_;
@@ -158,12 +217,10 @@ class TcpTransport : public Transport {
   std::atomic<int> parkedPeers_{0};
   std::string abortReason_;
   int listenFd_ = -1;
-  int epollFd_ = -1;
-  int wakeFd_ = -1;
-  static constexpr uint64_t kWakeId = ~0ull;  // wakeFd_'s epoll id (a peer's is its rank)
+  int socketsPerPeer_ = 1;  // rank 0's choice, agreed at connection time
+  std::vector<IoThread> io_;
+  static constexpr uint64_t kWakeId = ~0ull;  // wakeFd's epoll id (a stream's is eventId())
   std::atomic<bool> stop_{false};
-  std::thread ioThread_;
-  std::vector<char> scratch_;
   std::atomic<uint64_t> bytesSent_{0};
   std::atomic<uint64_t> bytesReceived_{0};
 

@@ -107,6 +107,7 @@ struct Handshake {
   bool outgoing = false;
   int fd = -1;
   int peer = -1;  // outgoing: the rank dialled; incoming: the rank claimed, once the hello is read
+  int stream = 0;  // which of the pair's streams
   Clock::time_point deadline;
   std::vector<uint8_t> out;
   size_t written = 0;
@@ -213,11 +214,21 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
       randomBytes(storeSecret, sizeof(storeSecret));
       store.set(secretKey, toHex(storeSecret, sizeof(storeSecret)));
     }
-    store.set(groupKey, toHex(group, sizeof(group)) + (fromEnv ? " env" : " store"));
+    // Rank 0's stream count is everyone's: "<group id> <env|store> <streams>".
+    socketsPerPeer_ = options.socketsPerPeer;
+    store.set(groupKey, toHex(group, sizeof(group)) + (fromEnv ? " env " : " store ") +
+                            std::to_string(socketsPerPeer_));
   } else {
     const std::string entry = store.get(groupKey);
-    const std::string mode = entry.size() > 2 * kGroupIdBytes ? entry.substr(2 * kGroupIdBytes + 1) : "";
-    if (!fromHex(entry.substr(0, 2 * kGroupIdBytes), group, sizeof(group)) || (mode != "env" && mode != "store"))
+    std::string mode = entry.size() > 2 * kGroupIdBytes ? entry.substr(2 * kGroupIdBytes + 1) : "";
+    const auto space = mode.find(' ');
+    socketsPerPeer_ = 1;
+    if (space != std::string::npos) {
+      socketsPerPeer_ = std::atoi(mode.c_str() + space + 1);
+      mode.resize(space);
+    }
+    if (!fromHex(entry.substr(0, 2 * kGroupIdBytes), group, sizeof(group)) || (mode != "env" && mode != "store") ||
+        socketsPerPeer_ < 1 || socketsPerPeer_ > kMaxStreams)
       throwError(ErrorKind::kConnection, "pycomm: the group id in the store is malformed");
     if (fromEnv && mode != "env")
       throwError(ErrorKind::kConnection, "pycomm: ", rankName(rank_), " has a job secret (PYCOMM_SECRET or ",
@@ -252,11 +263,26 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
   store.set(options.storePrefix + "addr/" + std::to_string(rank_),
             options.bindAddress + " " + std::to_string(port));
 
+  const int streams = socketsPerPeer_;
+  for (int peer = 0; peer < size_; ++peer)
+    for (int k = 0; k < streams && peer != rank_; ++k) {
+      peers_[peer]->streams.push_back(std::make_unique<Stream>());
+      peers_[peer]->streams.back()->peer = peer;
+      peers_[peer]->streams.back()->index = k;
+    }
+  auto connected = [&](int peer) {
+    for (auto& s : peers_[peer]->streams)
+      if (s->fd < 0) return false;
+    return true;
+  };
   HandshakeSet set;
-  // Connect to every lower rank (their listeners exist: they published after listen()).
-  set.outgoing.resize(static_cast<size_t>(rank_));
-  for (int peer = 0; peer < rank_; ++peer) {
-    Handshake& h = set.outgoing[static_cast<size_t>(peer)];
+  // Connect to every lower rank (their listeners exist: they published after
+  // listen()), `streams` times each.
+  set.outgoing.resize(static_cast<size_t>(rank_ * streams));
+  for (size_t i = 0; i < set.outgoing.size(); ++i) {
+    const int peer = static_cast<int>(i) / streams;
+    Handshake& h = set.outgoing[i];
+    h.stream = static_cast<int>(i) % streams;
     const std::string entry = store.get(options.storePrefix + "addr/" + std::to_string(peer));
     const auto space = entry.rfind(' ');
     const std::string host = entry.substr(0, space);
@@ -281,8 +307,8 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
     it->close();
     return set.incoming.erase(it);
   };
-  int pendingOut = rank_;
-  int missingIn = size_ - 1 - rank_;
+  int pendingOut = rank_ * streams;
+  int missingIn = (size_ - 1 - rank_) * streams;
   Clock::time_point acceptPausedUntil;
   std::vector<pollfd> fds;
   std::vector<Handshake*> owners;
@@ -300,7 +326,7 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
       }
       std::string names, notes;
       for (int peer = rank_ + 1; peer < size_; ++peer) {
-        if (peers_[peer]->fd >= 0) continue;
+        if (connected(peer)) continue;
         names += (names.empty() ? "" : ", ") + rankName(peer);
         auto it = dropped.find(peer);
         if (it != dropped.end())
@@ -364,7 +390,8 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
             error = errnoText(err);
           } else {
             h->connecting = false;
-            h->hello = Hello{kHelloMagic, kWireVersion, rank_, size_, h->peer, 0, {}, {}};
+            h->hello = Hello{kHelloMagic, kWireVersion, rank_, size_, h->peer, static_cast<uint32_t>(h->stream),
+                             {}, {}};
             std::memcpy(h->hello.group, group, sizeof(group));
             randomBytes(h->hello.nonce, sizeof(h->hello.nonce));
             h->send(h->hello);
@@ -392,7 +419,7 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
           h->retryAt = now + kConnectRetry;
         } else if (!h->connecting && h->in.empty() && h->sent()) {
           h->done = true;
-          peers_[h->peer]->fd = h->fd;
+          peers_[h->peer]->streams[h->stream]->fd = h->fd;
           --pendingOut;
         }
         continue;
@@ -402,8 +429,11 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
       if (error.empty() && h->messageIn() && h->in.size() == sizeof(Hello)) {
         std::memcpy(&h->hello, h->in.data(), sizeof(Hello));
         error = checkHello(h->hello, rank_, size_, group);
+        if (error.empty() && h->hello.stream >= static_cast<uint32_t>(streams))
+          error = strCat("peer opened stream ", h->hello.stream, " but rank 0 chose ", streams, " per peer");
         if (error.empty()) {
           h->peer = h->hello.rank;
+          h->stream = static_cast<int>(h->hello.stream);
           h->challenge = Challenge{kChallengeMagic, kWireVersion, {}, {}};
           randomBytes(h->challenge.nonce, sizeof(h->challenge.nonce));
           handshakeMac(key, HandshakeRole::kAcceptor, group, size_, h->peer, rank_, h->hello.nonce,
@@ -417,9 +447,10 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
         Proof proof;
         std::memcpy(&proof, h->in.data(), sizeof(Proof));
         error = checkProof(proof, h->hello, h->challenge, rank_, key);
-        if (error.empty() && peers_[h->peer]->fd >= 0) error = "a second connection for one rank";
+        Stream& claimed = *peers_[h->peer]->streams[h->stream];
+        if (error.empty() && claimed.fd >= 0) error = "a second connection for one rank";
         if (error.empty()) {  // only an authenticated connection claims its rank
-          peers_[h->peer]->fd = h->fd;
+          claimed.fd = h->fd;
           h->fd = -1;
           --missingIn;
           set.incoming.erase(it);

@@ -25,18 +25,40 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
       return request;
     }
   }
+  // One stripe per stream, queued on all of them under postMutex, so every
+  // stream carries the messages in the same order.
+  const int count = stripeCount(bytes, socketsPerPeer_);
+  auto message = std::make_shared<Outbound>();
+  message->request = request;
+  message->bytes = bytes;
+  message->stripesLeft = count;
+  const char* payload = static_cast<const char*>(data);
   std::vector<RequestPtr> done;
   std::string error;
+  bool closed = false;
   {
     Peer& p = *peers_[peer];
-    std::lock_guard<std::mutex> lock(p.sendMutex);
-    p.sendQueue.push_back(
-        {request, WireHeader{kDataMagic, 0, tag, bytes}, static_cast<const char*>(data), bytes, 0});
-    if (p.sendQueue.size() == 1) error = flushSends(peer, done);
-    if (error.empty() && !p.sendQueue.empty() && !p.writeArmed) armWrite(peer, true);
+    std::lock_guard<std::mutex> postLock(p.postMutex);
+    for (int i = 0; i < count && error.empty() && !closed; ++i) {
+      Stream& s = *p.streams[i];
+      const size_t offset = stripeOffset(bytes, count, i);
+      std::lock_guard<std::mutex> lock(s.mutex);
+      if (s.fd < 0) {  // aborted meanwhile
+        closed = true;
+        break;
+      }
+      s.sendQueue.push_back({message, WireHeader{kDataMagic, 0, tag, bytes}, i == 0, payload + offset,
+                             stripeOffset(bytes, count, i + 1) - offset, 0});
+      if (s.sendQueue.size() == 1) error = flushSends(peer, s, done);
+      if (error.empty() && !s.sendQueue.empty() && !s.writeArmed) armWrite(s, true);
+    }
   }
   for (auto& r : done) r->complete();
   if (!error.empty()) failPeer(peer, error);
+  if (closed) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    request->fail(!abortReason_.empty() ? abortReason_ : peers_[peer]->failure);
+  }
   return request;
 }
 
@@ -127,8 +149,8 @@ std::string TcpTransport::describePending(int peer) {
     text = strCat("nothing arrived from ", rankName(peer), " for this operation");
   }
   if (p.parked)
-    text += strCat("; ", rankName(peer), " announced a message of ", p.header.bytes, " bytes (tag ",
-                   p.header.tag & ~(1ull << 63),
+    text += strCat("; ", rankName(peer), " announced a message of ", p.streams[0]->header.bytes, " bytes (tag ",
+                   p.streams[0]->header.tag & ~(1ull << 63),
                    ") that no receive matched; it waits unread, since unexpected messages may hold at most ",
                    maxUnexpectedBytes_, " bytes (", unexpectedBytes_, " held)");
   text += strCat("; ", p.messagesIn.load(), " messages in and ", p.messagesOut.load(),
@@ -139,13 +161,16 @@ std::string TcpTransport::describePending(int peer) {
 
 bool TcpTransport::matchIncoming(int peer) {
   Peer& p = *peers_[peer];
-  p.payloadBytes = p.header.bytes;
-  p.payloadGot = 0;
-  p.dst = nullptr;
-  if (p.header.flags & kFlagAbort) {  // not data: the peer says why it is leaving
-    p.readingAbort = true;
-    p.abortText.resize(p.payloadBytes);
-    p.dst = p.abortText.data();
+  Stream& s0 = *p.streams[0];
+  const size_t bytes = s0.header.bytes;
+  auto message = std::make_shared<Inbound>();
+  message->bytes = bytes;
+  s0.got = 0;
+  if (s0.header.flags & kFlagAbort) {  // not data: the peer says why it is leaving
+    message->abortNotice = true;
+    p.abortText.resize(bytes);
+    message->dst = p.abortText.data();
+    s0.current = Stripe{message, 0, bytes};
     return true;
   }
   RequestPtr mismatched;  // a receive of another size: it fails now, the payload is dropped
@@ -155,15 +180,15 @@ bool TcpTransport::matchIncoming(int peer) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto take = [&](std::deque<PostedRecv>& list) {
       for (auto it = list.begin(); it != list.end(); ++it) {
-        if (it->tag != p.header.tag) continue;
-        if (it->bytes != p.payloadBytes) {
+        if (it->tag != s0.header.tag) continue;
+        if (it->bytes != bytes) {
           mismatched = it->request;
-          mismatch = strCat(rankName(peer), " sent ", p.payloadBytes, " bytes where ", it->bytes,
+          mismatch = strCat(rankName(peer), " sent ", bytes, " bytes where ", it->bytes,
                             " were expected (tensor sizes differ between ranks?)");
-          p.discarding = true;
+          message->discarding = true;
         } else {
-          p.recvRequest = it->request;
-          p.dst = it->data;
+          message->request = it->request;
+          message->dst = it->data;
         }
         list.erase(it);
         return true;
@@ -171,68 +196,115 @@ bool TcpTransport::matchIncoming(int peer) {
       return false;
     };
     const bool placed = take(p.posted) || take(anyPosted_);
-    const bool overBudget = !placed && p.payloadBytes > maxUnexpectedBytes_ - std::min(unexpectedBytes_, maxUnexpectedBytes_);
+    const bool overBudget = !placed && bytes > maxUnexpectedBytes_ - std::min(unexpectedBytes_, maxUnexpectedBytes_);
     if (overBudget != p.parked) {
       p.parked = overBudget;
       parkedPeers_ += overBudget ? 1 : -1;
     }
     if (!placed && !overBudget) {
       auto buffer = std::make_shared<Unexpected>();
-      Stats::instance().addBuffered(p.payloadBytes);
-      buffer->tag = p.header.tag;
-      buffer->data.resize(p.payloadBytes);
-      unexpectedBytes_ += p.payloadBytes;
-      p.dst = buffer->data.data();
-      p.recvBuffer = buffer;
+      Stats::instance().addBuffered(bytes);
+      buffer->tag = s0.header.tag;
+      buffer->data.resize(bytes);
+      unexpectedBytes_ += bytes;
+      message->dst = buffer->data.data();
+      message->buffer = buffer;
       p.unexpected.push_back(std::move(buffer));
     }
   }
   if (mismatched) mismatched->fail(mismatch);
-  if (p.parked != wasParked) pauseReads(peer, p.parked);
-  return !p.parked;
+  if (p.parked != wasParked) {
+    std::lock_guard<std::mutex> lock(s0.mutex);
+    pauseReads(s0, p.parked);
+  }
+  if (p.parked) return false;
+  // Stripe 0 is read here; the others are queued on their streams, which read
+  // them in this order.
+  const int count = stripeCount(bytes, socketsPerPeer_);
+  message->stripesLeft = count;
+  s0.current = Stripe{message, 0, stripeOffset(bytes, count, 1)};
+  for (int i = 1; i < count; ++i) {
+    Stream& s = *p.streams[i];
+    const size_t offset = stripeOffset(bytes, count, i);
+    Stripe stripe{message, offset, stripeOffset(bytes, count, i + 1) - offset};
+    bool dropped = false;
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      if (s.stripesClosed) {
+        dropped = true;
+      } else {
+        s.stripes.push_back(std::move(stripe));
+        if (s.readPaused) pauseReads(s, false);
+      }
+    }
+    if (dropped) dropStripe(peer, message);  // its stream is gone with its peer
+  }
+  return true;
 }
 
-void TcpTransport::retryParked() {
+void TcpTransport::retryParked(int thread) {
   if (parkedPeers_.load(std::memory_order_acquire) == 0) return;
   for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
     Peer& p = *peers_[peer];
-    if (!p.parked) continue;
+    Stream& s0 = *p.streams[0];
+    if (!p.parked || s0.thread != thread || s0.detached) continue;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!p.failure.empty()) continue;  // its hang-up is handled by the I/O loop
     }
     if (!matchIncoming(peer)) continue;  // still no receive and no budget
-    if (p.payloadBytes == 0) finishIncoming(peer);
-    else p.inPayload = true;
-    handleReadable(peer);  // what waited in the socket
+    if (s0.current.bytes == 0) finishStripe(peer, s0);
+    else s0.inPayload = true;
+    handleReadable(peer, 0);  // what waited in the socket
   }
 }
 
-void TcpTransport::finishIncoming(int peer) {
+void TcpTransport::dropStripe(int peer, const std::shared_ptr<Inbound>& message) {
+  message->lost = true;
+  if (message->stripesLeft.fetch_sub(1, std::memory_order_acq_rel) == 1) failLostMessage(peer, message);
+}
+
+void TcpTransport::failLostMessage(int peer, const std::shared_ptr<Inbound>& message) {
+  // No stream writes into the message any more, so its receive may fail.
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Peer& p = *peers_[peer];
+    failure = p.failure;
+    if (message->buffer) {
+      auto it = std::find(p.unexpected.begin(), p.unexpected.end(), message->buffer);
+      if (it != p.unexpected.end()) {
+        unexpectedBytes_ -= message->buffer->data.size();
+        if (message->buffer->claim == Unexpected::Claim::kWaiting && !message->request)
+          message->request = message->buffer->waiter.request;
+        message->buffer->claim = Unexpected::Claim::kDropped;
+        message->buffer->waiter = PostedRecv{};
+        p.unexpected.erase(it);
+      }
+    }
+  }
+  if (message->request)
+    message->request->fail(failure.empty() ? lostMessage(peer, "part of a message was lost") : failure);
+}
+
+void TcpTransport::finishIncoming(int peer, const std::shared_ptr<Inbound>& message) {
   Peer& p = *peers_[peer];
-  p.inPayload = false;
-  if (p.readingAbort) {
-    p.readingAbort = false;
+  if (message->abortNotice) {
     // The sender's reason comes without its op prefix (Error::detail()); the
     // receiver's own errors add theirs.
     const std::string reason = abortReasonText(p.abortText.data(), p.abortText.size());
     failPeer(peer, strCat(rankName(peer), " aborted the group: ", reason), true);
     return;
   }
-  if (p.discarding) {  // its receive failed when the header arrived
-    p.discarding = false;
+  if (message->discarding) return;  // its receive failed when the header arrived
+  if (message->request) {
+    bytesReceived_ += message->bytes;
+    Stats::instance().addReceived(message->bytes);
+    message->request->complete(peer);
     return;
   }
-  RequestPtr request = std::move(p.recvRequest);
-  std::shared_ptr<Unexpected> buffer = std::move(p.recvBuffer);
-  p.recvRequest.reset();
-  p.recvBuffer.reset();
-  if (request) {
-    bytesReceived_ += p.payloadBytes;
-    Stats::instance().addReceived(p.payloadBytes);
-    request->complete(peer);
-    return;
-  }
+  const std::shared_ptr<Unexpected>& buffer = message->buffer;
   RequestPtr waiter;  // a receive that claimed this message while it arrived
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -264,17 +336,15 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
   Peer& p = *peers_[peer];
   std::vector<RequestPtr> failed;
   std::string message;
-  bool alreadyFailed = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    alreadyFailed = !p.failure.empty();
-    if (!alreadyFailed)
+    if (p.failure.empty())
       p.failure = !abortReason_.empty() ? abortReason_ : fullMessage ? reason : lostMessage(peer, reason);
     message = p.failure;
     for (auto& posted : p.posted) failed.push_back(posted.request);
     p.posted.clear();
     // Complete messages stay deliverable; partial ones are lost with the peer.
-    // The I/O thread may still be reading one (off that thread): a receive that
+    // An I/O thread may still be reading one (off that thread): a receive that
     // claimed it fails now and is detached, so the rest of the message is
     // dropped and never copied into that receive's buffer.
     for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
@@ -290,31 +360,45 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
       it = p.unexpected.erase(it);
     }
   }
-  if (!alreadyFailed) {
-    std::lock_guard<std::mutex> lock(p.sendMutex);
-    for (auto& send : p.sendQueue) failed.push_back(send.request);
-    p.sendQueue.clear();
-    if (p.fd >= 0) ::shutdown(p.fd, SHUT_RDWR);
+  // Every stream: nothing more is written, and reads see the end.
+  for (auto& streamPtr : p.streams) {
+    Stream& s = *streamPtr;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    for (auto& send : s.sendQueue) failed.push_back(send.message->request);
+    s.sendQueue.clear();
+    if (s.fd >= 0) ::shutdown(s.fd, SHUT_RDWR);
   }
-  if (std::this_thread::get_id() == ioThread_.get_id()) {
-    // The I/O thread owns the receive in progress, and stops watching the socket.
-    if (p.fd >= 0) epoll_ctl(epollFd_, EPOLL_CTL_DEL, p.fd, nullptr);
-    if (p.recvRequest) failed.push_back(p.recvRequest);
-    p.recvRequest.reset();
-    p.recvBuffer.reset();
-    p.inPayload = false;
-    p.discarding = false;
-    p.headerGot = 0;
+  // Each I/O thread gives up the receives in progress on the streams it owns
+  // (a stripe's receive fails once no stream writes into it); the others are
+  // woken by the hang-up and come here too.
+  const int thread = currentIoThread();
+  for (auto& streamPtr : p.streams) {
+    Stream& s = *streamPtr;
+    if (thread < 0 || s.thread != thread || s.detached) continue;
+    s.detached = true;
+    if (s.fd >= 0) epoll_ctl(io_[thread].epollFd, EPOLL_CTL_DEL, s.fd, nullptr);
+    std::deque<Stripe> queued;
     {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.stripesClosed = true;
+      queued.swap(s.stripes);
+    }
+    std::shared_ptr<Inbound> current = std::move(s.current.message);
+    s.current = Stripe{};
+    s.inPayload = false;
+    s.headerGot = 0;
+    s.got = 0;
+    if (current) dropStripe(peer, current);
+    for (auto& stripe : queued) dropStripe(peer, stripe.message);
+    if (s.index == 0) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (p.parked) {
         p.parked = false;
         --parkedPeers_;
       }
     }
-  } else {
-    wake();
   }
+  if (thread < 0) wake();
   for (auto& r : failed)
     if (r) r->fail(message);
 }

@@ -58,7 +58,7 @@ std::string checkHello(const Hello& hello, int localRank, int size, const uint8_
   if (hello.rank <= localRank || hello.rank >= size)
     return strCat("peer claims rank ", hello.rank, ", expected one in (", localRank, ", ", size, ")");
   if (hello.peer != localRank) return strCat("peer meant to reach rank ", hello.peer);
-  if (hello.reserved != 0) return "malformed hello";
+  if (hello.stream >= static_cast<uint32_t>(kMaxStreams)) return "malformed hello";
   if (std::memcmp(hello.group, group, kGroupIdBytes) != 0) return "peer belongs to another group";
   return "";
 }

@@ -4,7 +4,7 @@
 // Connection setup: a mutual challenge-response under the job's handshake key
 // (derived from PYCOMM_SECRET, or from the random secret rank 0 puts in the
 // store when it is unset); the key itself never crosses the wire.
-//   connector -> acceptor  Hello     {magic, version, rank, size, peer, group id, nonce_c}
+//   connector -> acceptor  Hello     {magic, version, rank, size, peer, stream, group id, nonce_c}
 //   acceptor  -> connector Challenge {magic, version, nonce_a, MAC("acceptor", ...)}
 //   connector -> acceptor  Proof     {magic, MAC("connector", ...)}
 // where MAC(role, ...) = HMAC-SHA256(key, "pycomm/2 " role | group id | size |
@@ -13,7 +13,13 @@
 // rank r's only once its proof checks, so a claimant that cannot prove the key
 // blocks nobody. The labels differ, so one side's MAC never serves as the other's.
 //
-// After that, each message is a WireHeader followed by `bytes` payload bytes.
+// Each pair of ranks has socketsPerPeer such connections (streams), each with
+// its own handshake; `stream` says which one it is (rank 0 publishes the count).
+//
+// After that, each message is a WireHeader on stream 0 followed by its first
+// stripe; stripe k (k > 0) follows, without a header, on stream k, in the order
+// of the headers on stream 0. A message has stripeCount(bytes, streams) stripes
+// (one, the whole payload, for anything under 2 x kMinStripeBytes).
 // A header with kFlagAbort carries, as its payload, the reason the sender's
 // group failed; the receiver fails that peer with that reason, so every
 // survivor can name the rank that was lost first.
@@ -29,8 +35,9 @@ constexpr uint32_t kDataMagic = 0x50434d44;       // "PCMD"
 constexpr uint32_t kHelloMagic = 0x50434d48;      // "PCMH"
 constexpr uint32_t kChallengeMagic = 0x50434d43;  // "PCMC"
 constexpr uint32_t kProofMagic = 0x50434d50;      // "PCMP"
-// 2: challenge-response handshake (1 sent the secret in the hello).
-constexpr uint32_t kWireVersion = 2;
+// 3: several streams per pair (the hello's stream index). 2: challenge-response
+// handshake (1 sent the secret in the hello).
+constexpr uint32_t kWireVersion = 3;
 constexpr uint32_t kFlagAbort = 1u << 0;
 constexpr uint32_t kKnownFlags = kFlagAbort;
 // Larger than any tensor a host can hold; bounds what a corrupt header can ask for.
@@ -41,6 +48,23 @@ constexpr size_t kGroupIdBytes = 16;  // random per group (rank 0 draws it; not 
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;      // HMAC-SHA256
 constexpr size_t kKeyBytes = 32;
+constexpr int kMaxStreams = 16;                // sockets per pair of ranks, at most
+constexpr uint64_t kMinStripeBytes = 64 << 10; // a message is striped only in parts at least this large
+
+// How many stripes a message of `bytes` has over `streams` streams.
+inline int stripeCount(uint64_t bytes, int streams) {
+  const uint64_t parts = bytes / kMinStripeBytes;
+  return parts < 2 || streams < 2 ? 1 : static_cast<int>(parts < uint64_t(streams) ? parts : uint64_t(streams));
+}
+// Where stripe `i` of `count` starts (stripe i ends where i + 1 starts; stripe
+// `count` starts at `bytes`). Equal parts rounded up to 4 KiB, the last one
+// shorter; never empty, since each part is at least kMinStripeBytes.
+inline uint64_t stripeOffset(uint64_t bytes, int count, int i) {
+  if (i >= count) return bytes;
+  const uint64_t part = ((bytes + count - 1) / count + 4095) & ~uint64_t(4095);
+  const uint64_t offset = part * static_cast<uint64_t>(i);
+  return offset < bytes ? offset : bytes;
+}
 
 struct WireHeader {
   uint32_t magic;
@@ -56,7 +80,7 @@ struct Hello {
   int32_t rank;       // the connector's (claimed) rank
   int32_t size;       // of the group
   int32_t peer;       // the rank the connector means to reach
-  uint32_t reserved;  // 0
+  uint32_t stream;    // which of the pair's streams (< kMaxStreams)
   uint8_t group[kGroupIdBytes];
   uint8_t nonce[kNonceBytes];  // nonce_c
 };

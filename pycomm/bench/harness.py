@@ -113,6 +113,11 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "warmup": cfg.warmup,
         "check": cfg.check,
     }
+    if cfg.backend == "pycomm":
+        from ..config import bind_address, load_config, resolve_streams
+
+        config = load_config()
+        meta["tcp_streams"] = list(resolve_streams(config, bind_address(config)))
     if cfg.hosts:
         meta.update(hosts=cfg.hosts, ranks_per_host=cfg.ranks_per_host, rate=cfg.rate,
                     host_ifname=os.environ.get("PYCOMM_SOCKET_IFNAME"))

@@ -88,6 +88,9 @@ class TablePrinter:
             self._print(f"# raw TCP, ring pattern (each rank 1 stream out + 1 in at once, "
                         f"{LINK_SECONDS:g} s): {meta['tcp_ring_gbps']:.2f} GB/s (slowest rank; "
                         f"ranks {', '.join(f'{r:.2f}' for r in meta['tcp_ring_rates'])})")
+        if meta.get("tcp_streams"):
+            self._print(f"# TCP: {meta['tcp_streams'][0]} stream(s) per peer, {meta['tcp_streams'][1]} I/O "
+                        "thread(s) (PYCOMM_SOCKETS_PER_PEER, PYCOMM_IO_THREADS; rank 0's streams)")
         self._print(f"# backend {meta['backend']}, algorithms {','.join(meta['algos'])}, "
                     f"peer {meta['peer'] or 'none'}; iters {meta['iters']} (fewer from "
                     f"{format_size(LARGE_BYTES)} up, at least {MIN_LARGE_ITERS}), warmup {meta['warmup']}, "

@@ -28,8 +28,9 @@ using namespace pycomm;
 namespace pycomm {
 // What the tests below need from inside a transport (tcp.h befriends it).
 struct TcpTransportProbe {
-  static std::mutex& sendMutex(TcpTransport& t, int peer) { return t.peers_[peer]->sendMutex; }
-  static int fd(TcpTransport& t, int peer) { return t.peers_[peer]->fd; }
+  // Stream 0 (headers) of the pair.
+  static std::mutex& sendMutex(TcpTransport& t, int peer) { return t.peers_[peer]->streams[0]->mutex; }
+  static int fd(TcpTransport& t, int peer) { return t.peers_[peer]->streams[0]->fd; }
   // The first message from `peer` that arrived before its receive, and whether it
   // is complete and claimed by a waiting receive.
   static std::shared_ptr<void> firstUnexpected(TcpTransport& t, int peer, bool* complete, bool* waiting) {
@@ -46,6 +47,8 @@ struct TcpTransportProbe {
     auto& u = *std::static_pointer_cast<TcpTransport::Unexpected>(message);
     return u.claim == TcpTransport::Unexpected::Claim::kWaiting || u.waiter.request != nullptr;
   }
+  static int socketsPerPeer(TcpTransport& t) { return t.socketsPerPeer_; }
+  static int ioThreads(TcpTransport& t) { return static_cast<int>(t.io_.size()); }
   // As the posting thread does when a send fails: off the I/O thread.
   static void failPeer(TcpTransport& t, int peer, const std::string& reason) { t.failPeer(peer, reason); }
 };
@@ -632,6 +635,143 @@ void failedPeerDetachesHalfReceivedMessage() {
          "the half-received message no longer points at that receive's buffer");
 }
 
+
+// Several streams per pair and several I/O threads: messages of every size
+// (empty, tiny, just under and over the striping threshold, odd sizes that do
+// not divide into stripes, 9 MiB) from two senders, receives posted before and
+// after their messages and in another order than the sends, same-tag messages
+// in FIFO order, a size mismatch on a striped message, and the unexpected
+// budget parking a striped stream.
+std::vector<char> pattern(size_t bytes, int seed) {
+  std::vector<char> data(bytes);
+  for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<char>((i * 131 + seed * 17 + (i >> 12)) & 0xff);
+  return data;
+}
+
+void stripedStreamsKeepEveryMessage() {
+  MemoryStore store(kStoreTimeout);
+  std::vector<TcpOptions> perRank(3);
+  for (auto& o : perRank) {
+    o.socketsPerPeer = 4;
+    o.ioThreads = 2;
+  }
+  perRank[2].socketsPerPeer = 1;  // rank 0's choice wins
+  Built built = meshOrErrors(3, store, std::chrono::milliseconds(20000), {}, perRank);
+  for (int r = 0; r < 3; ++r) expect(built.errors[r].empty(), "rank " + std::to_string(r) + " connects: " + built.errors[r]);
+  if (!built.errors[0].empty() || !built.errors[1].empty() || !built.errors[2].empty()) return;
+  auto& t = built.transports;
+  expect(TcpTransportProbe::socketsPerPeer(*t[2]) == 4 && TcpTransportProbe::ioThreads(*t[0]) == 2,
+         "every rank uses rank 0's 4 streams per peer; 2 I/O threads");
+  const std::vector<size_t> sizes = {0, 1, 7, (64 << 10) - 1, 128 << 10, (128 << 10) + 3, (256 << 10) + 4097,
+                                     (1 << 20) + 13, (9 << 20) + 5};
+  for (int round = 0; round < 2; ++round) {
+    // Round 0: receives first, in reverse order; round 1: sends first (buffered).
+    std::vector<std::vector<char>> sent, received;
+    std::vector<RequestPtr> requests;
+    std::vector<std::pair<int, size_t>> messages;  // (sender, size index)
+    for (int sender = 1; sender <= 2; ++sender)
+      for (size_t m = 0; m < sizes.size(); ++m) {
+        messages.push_back({sender, m});
+        sent.push_back(pattern(sizes[m], static_cast<int>(m) + 10 * sender + 100 * round));
+        received.push_back(std::vector<char>(sizes[m], 0));
+      }
+    auto post = [&](size_t i, bool send) {
+      const int sender = messages[i].first;
+      const uint64_t tag = 1000 + messages[i].second;
+      if (send) requests.push_back(t[sender]->isend(0, tag, sent[i].data(), sent[i].size()));
+      else requests.push_back(t[0]->irecv(sender, tag, received[i].data(), received[i].size()));
+    };
+    for (int phase = 0; phase < 2; ++phase) {
+      const bool sends = (phase == 0) == (round == 1);
+      for (size_t j = 0; j < messages.size(); ++j) post(sends ? j : messages.size() - 1 - j, sends);
+      if (round == 1 && phase == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    bool ok = true;
+    for (auto& r : requests) ok = waitOk(r) && ok;
+    expect(ok && received == sent, std::string("striped messages of every size arrive intact (") +
+                                       (round == 0 ? "receives first, reversed" : "sends first, buffered") + ")");
+  }
+  // Same tag, two striped messages: FIFO.
+  auto first = pattern(3 << 20, 1), second = pattern(3 << 20, 2);
+  std::vector<char> got1(first.size()), got2(first.size());
+  auto s1 = t[1]->isend(0, 7, first.data(), first.size());
+  auto s2 = t[1]->isend(0, 7, second.data(), second.size());
+  auto r1 = t[0]->irecv(1, 7, got1.data(), got1.size());
+  auto r2 = t[0]->irecv(1, 7, got2.data(), got2.size());
+  expect(waitOk(s1) && waitOk(s2) && waitOk(r1) && waitOk(r2) && got1 == first && got2 == second,
+         "two striped messages of one tag arrive in the order sent");
+  // A size mismatch on a striped message: the receive fails, every stream stays in step.
+  std::vector<char> wrong(first.size() - 1);
+  auto bad = t[0]->irecv(1, 8, wrong.data(), wrong.size());
+  t[1]->isend(0, 8, first.data(), first.size());
+  bad->waitUntil(Clock::now() + std::chrono::seconds(10));
+  expect(bad->failed() && bad->error().find("rank 1 sent 3145728 bytes where 3145727 were expected") !=
+                              std::string::npos,
+         "a striped message of another size fails its receive: " + bad->error());
+  auto next = t[0]->irecv(1, 9, got2.data(), got2.size());
+  auto nextSend = t[1]->isend(0, 9, first.data(), first.size());
+  expect(waitOk(next) && waitOk(nextSend) && got2 == first, "the next striped message arrives intact");
+}
+
+void stripedStreamsParkWithinTheBudget() {
+  MemoryStore store(kStoreTimeout);
+  TcpOptions options;
+  options.maxUnexpectedBytes = 1 << 20;
+  options.socketsPerPeer = 3;
+  options.ioThreads = 2;
+  auto transports = mesh(2, store, {}, options);
+  const size_t bytes = (768 << 10) + 1;
+  std::vector<std::vector<char>> sent, received;
+  for (int m = 0; m < 3; ++m) {
+    sent.push_back(pattern(bytes, m));
+    received.push_back(std::vector<char>(bytes));
+  }
+  std::vector<RequestPtr> sends, recvs;
+  for (int m = 0; m < 3; ++m) sends.push_back(transports[1]->isend(0, 10 + m, sent[m].data(), bytes));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // message 0 buffered, 1 parked
+  const std::string pending = transports[0]->describePending(1);
+  for (int m = 2; m >= 0; --m) recvs.push_back(transports[0]->irecv(1, 10 + m, received[m].data(), bytes));
+  bool ok = true;
+  for (auto& r : recvs) ok = waitOk(r) && ok;
+  for (auto& s : sends) ok = waitOk(s) && ok;
+  expect(pending.find("waits unread") != std::string::npos,
+         "over 3 streams too, the message past the budget waited unread: " + pending);
+  expect(ok && received == sent, "every striped message arrives intact after parking");
+}
+
+// A sender that goes away mid-message (its sockets close) fails the striped
+// receive in progress and everything else waiting on it, on every stream; nothing hangs.
+void lostPeerFailsEveryStream() {
+  MemoryStore store(kStoreTimeout);
+  TcpOptions options;
+  options.socketsPerPeer = 4;
+  options.ioThreads = 2;
+  auto transports = mesh(3, store, {}, options);
+  std::vector<char> big(64 << 20, 3), received(big.size());
+  int small = 0;
+  auto recv = transports[0]->irecv(1, 1, received.data(), received.size());
+  auto later = transports[0]->irecv(1, 2, &small, sizeof(small));
+  auto fromTwo = transports[2]->irecv(1, 3, received.data(), 1 << 20);
+  auto send = transports[1]->isend(0, 1, big.data(), big.size());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // some of it is on its way
+  transports[1].reset();  // rank 1 goes away: its sockets close (abort notice only between messages)
+  const auto start = Clock::now();
+  bool settled = recv->waitUntil(Clock::now() + std::chrono::seconds(10)) &&
+                 later->waitUntil(Clock::now() + std::chrono::seconds(10)) &&
+                 fromTwo->waitUntil(Clock::now() + std::chrono::seconds(10));
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  expect(settled && recv->failed() && later->failed() && fromTwo->failed() && seconds < 5,
+         "every receive from the lost peer fails, within " + std::to_string(seconds) + " s: " + recv->error() +
+             " | " + fromTwo->error());
+  auto after = transports[0]->isend(1, 4, &small, sizeof(small));
+  after->waitUntil(Clock::now() + std::chrono::seconds(10));
+  expect(after->failed(), "a later send to it fails: " + after->error());
+  int value = 11, got = 0;
+  auto r = transports[0]->irecv(2, 5, &got, sizeof(got));
+  auto s = transports[2]->isend(0, 5, &value, sizeof(value));
+  expect(waitOk(r) && waitOk(s) && got == 11, "the survivors still talk over their own streams");
+}
+
 }  // namespace
 
 int main() {
@@ -648,6 +788,9 @@ int main() {
   hugeAnnouncementAllocatesNothing();
   unexpectedBudgetKeepsEveryMessage();
   failedPeerDetachesHalfReceivedMessage();
+  stripedStreamsKeepEveryMessage();
+  stripedStreamsParkWithinTheBudget();
+  lostPeerFailsEveryStream();
   std::cout << (failures == 0 ? "all passed" : "FAILURES: " + std::to_string(failures)) << std::endl;
   return failures == 0 ? 0 : 1;
 }

@@ -50,7 +50,7 @@ void checkHandshake(const Hello& hello, const Challenge& challenge, const Proof&
   if (helloOk) {
     check(hello.magic == kHelloMagic && hello.version == kWireVersion, "hello fields");
     check(hello.rank > localRank && hello.rank < kSize && hello.size == kSize, "hello rank range");
-    check(hello.peer == localRank && hello.reserved == 0, "hello peer");
+    check(hello.peer == localRank && hello.stream < static_cast<uint32_t>(kMaxStreams), "hello peer");
     check(std::memcmp(hello.group, kGroup, kGroupIdBytes) == 0, "hello group");
   }
   // The connector's view: it sent `hello`, got `challenge`.
