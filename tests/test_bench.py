@@ -183,6 +183,35 @@ def test_parse_args():
     assert (default.nprocs, default.min_bytes, default.max_bytes, default.step_factor) == (2, 8, 64 * 2 ** 20, 4)
     assert (default.iters, default.warmup, default.dtype, default.op) == (20, 5, "float32", "sum")
     assert default.algos == ("auto", "ring", "tree", "sharded") and default.peer == "gloo" and default.check
+    assert default.timing == "block" and bench.parse_args(["--timing", "barrier"]).timing == "barrier"
+    with pytest.raises(ValueError, match="pycomm bench: unknown --timing 'blocks'"):
+        sweep.BenchConfig(timing="blocks").validate()
+
+
+class _Recorder(sweep.Runner):
+    """A column that logs its calls (and, through ``log``, the barriers between them)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def call(self, buffer):
+        self.log.append(self.name)
+
+
+def test_time_samples_disciplines():
+    """block: realign call + a block of calls per sample, no barrier; barrier: the barrier,
+    then exactly one call per sample, whatever block and realign say."""
+    log = []
+    runners = [_Recorder("a", log), _Recorder("b", log)]
+    buffer = torch.zeros(2)
+    times = sweep.time_samples(runners, [0, 1], buffer, iters=2, block=3, realign=True)
+    assert [len(t) for t in times] == [2, 2] and "|" not in log
+    assert log == ["a"] * 4 + ["b"] * 4 + ["b"] * 4 + ["a"] * 4  # the first column rotates
+    log.clear()
+    times = sweep.time_samples(runners, [0, 1], buffer, iters=3, block=16, realign=True,
+                               barrier=lambda: log.append("|"))
+    assert [len(t) for t in times] == [3, 3] and all(t >= 0 for t in times[0] + times[1])
+    assert log == ["|", "a", "|", "b", "|", "b", "|", "a", "|", "a", "|", "b"]
 
 
 @pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
@@ -330,11 +359,16 @@ def test_cli_mpi_peer_in_one_table(tmp_path):
     out = tmp_path / "peers.json"
     plot = tmp_path / "peers.png"
     args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
-            "--algos", "ring", "--mpi", "--json", str(out), "--plot", str(plot)]
+            "--algos", "ring", "--mpi", "--json", str(out), "--plot", str(plot), "--timing", "barrier"]
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     sizes = [8, 64, 512, 4096, 32768, 65536]
+    # --timing reaches both sweeps (torch ranks and mpirun), and every row says how it was timed.
+    assert meta["timing"] == "barrier" and meta["mpi"]["timing"] == "barrier"
+    assert {row["timing"] for row in rows} == {"barrier"}
+    assert "--timing barrier" in meta["mpi"]["command"]
+    assert proc.stdout.count("a barrier on the control group, then one timed call") == 2
     assert meta["mpi"]["world_size"] == 2 and "Open MPI" in meta["mpi"]["mpi_library"]
     mpi_rows = [row for row in rows if row["name"] == "mpi"]
     assert [row["size_bytes"] for row in mpi_rows] == sizes

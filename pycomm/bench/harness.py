@@ -112,6 +112,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "iters": cfg.iters,
         "warmup": cfg.warmup,
         "check": cfg.check,
+        "timing": cfg.timing,
     }
     if cfg.hosts:
         meta.update(hosts=cfg.hosts, ranks_per_host=cfg.ranks_per_host, rate=cfg.rate,
@@ -210,7 +211,7 @@ def _mpi_command(cfg: BenchConfig, world_size: int, json_path: str) -> List[str]
     cmd += ["--oversubscribe", "-np", str(world_size), sys.executable, "-m", MPI_MODULE,
             "-b", str(cfg.min_bytes), "-e", str(cfg.max_bytes), "-f", str(cfg.step_factor),
             "--iters", str(cfg.iters), "--warmup", str(cfg.warmup), "--dtype", cfg.dtype,
-            "--op", cfg.op, "--check" if cfg.check else "--no-check", "--quiet",
+            "--op", cfg.op, "--check" if cfg.check else "--no-check", "--timing", cfg.timing, "--quiet",
             "--json", json_path]
     return cmd
 

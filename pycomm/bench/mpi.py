@@ -10,7 +10,8 @@ after its own sweep and prints one table with every peer.) MPI is one more runne
 :func:`pycomm.bench.sweep.run_sweep`, so everything is measured as pycomm's and gloo's
 columns are: the same sizes and iteration rule (fewer iterations from 16 MiB up), a
 correctness check on the same closed-form pattern before timing, the same samples (blocks
-of back-to-back calls for small messages, each sample after one untimed call), time =
+of back-to-back calls for small messages, each sample after one untimed call; or, with
+``--timing barrier``, MPI_Barrier then one timed call), time =
 median over iterations of the slowest rank, algbw = S/t, busbw = algbw * 2(n-1)/n. The
 all-reduce is in place (``MPI_IN_PLACE``). The JSON has pycomm.bench's shape, with
 ``name`` "mpi" and ``backend`` "openmpi".
@@ -34,6 +35,7 @@ from .report import MpiTablePrinter, write_json
 from .sweep import (
     MPI_DTYPES,
     MPI_OPS,
+    TIMINGS,
     BenchConfig,
     BenchResult,
     Control,
@@ -131,6 +133,7 @@ def run_mpi_sweep(cfg: BenchConfig, comm=None) -> BenchResult:
         "iters": cfg.iters,
         "warmup": cfg.warmup,
         "check": cfg.check,
+        "timing": cfg.timing,
     }
     sizes, skipped = byte_sizes(cfg)
     printer = MpiTablePrinter(enabled=(rank == 0 and not cfg.quiet))
@@ -161,6 +164,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=MPI_DTYPES)
     parser.add_argument("--op", default="sum", choices=MPI_OPS)
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--timing", default="block", choices=TIMINGS,
+                        help="block: back-to-back calls per sample; barrier: MPI_Barrier, then one "
+                             "timed call per sample")
     parser.add_argument("--json", dest="json_path", metavar="PATH", default=None,
                         help="rank 0 writes the result here (pycomm.bench's JSON shape)")
     parser.add_argument("--quiet", action="store_true", help="no table on stdout")
@@ -172,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = BenchConfig(min_bytes=args.minbytes, max_bytes=args.maxbytes,
                       step_factor=args.stepfactor, iters=args.iters, warmup=args.warmup,
                       dtype=args.dtype, op=args.op, check=args.check, quiet=args.quiet,
-                      peer=None)
+                      peer=None, timing=args.timing)
     try:
         cfg.validate()
         MPI = _import_mpi()

@@ -47,8 +47,10 @@ def fmt(value: Optional[float], width: int, digits: int = 2) -> str:
     return f"{value:>{width}.{digits}f}"
 
 
-def _sampling(realigned: str) -> str:
+def _sampling(realigned: str, timing: str = "block") -> str:
     """How a timed iteration is made (sweep.time_samples), for the table headers."""
+    if timing == "barrier":
+        return "an iteration is a barrier on the control group, then one timed call (--timing barrier)"
     return (f"an iteration up to {format_size(BLOCK_SMALL_BYTES)} is {BLOCK_SMALL} back-to-back calls, "
             f"up to {format_size(BLOCK_MEDIUM_BYTES)} {BLOCK_MEDIUM}, divided (each after one untimed "
             f"call{realigned})")
@@ -92,7 +94,7 @@ class TablePrinter:
                     f"peer {meta['peer'] or 'none'}; iters {meta['iters']} (fewer from "
                     f"{format_size(LARGE_BYTES)} up, at least {MIN_LARGE_ITERS}), warmup {meta['warmup']}, "
                     f"check {'on' if meta['check'] else 'off'}")
-        self._print(f"# time = median over iterations, max over ranks; {_sampling(' when columns alternate')}; "
+        self._print(f"# time = median over iterations, max over ranks; {_sampling(' when columns alternate', meta.get('timing', 'block'))}; "
                     "algbw = S/t (S = bytes per rank); busbw = algbw*2(n-1)/n; GB/s = 1e9 B/s")
         if skipped:
             self._print(f"# skipped {skipped} size(s) smaller than one element or duplicated after rounding")
@@ -206,7 +208,7 @@ class MpiTablePrinter:
         self._print(f"# world size {meta['world_size']} (mpirun), mpi4py {meta['mpi4py_version']}, "
                     f"op {meta['op']}, dtype {meta['dtype']}, in place")
         self._print(f"# memcpy (1 thread): {meta['memcpy_gbps']:.2f} GB/s; time = median over iterations, "
-                    f"max over ranks; {_sampling('')}; algbw = S/t; busbw = algbw*2(n-1)/n")
+                    f"max over ranks; {_sampling('', meta.get('timing', 'block'))}; algbw = S/t; busbw = algbw*2(n-1)/n")
         self._print(f"#{'size(B)':>12} {'count':>12} {'type':>8} {'time(us)':>10} {'algbw':>8} "
                     f"{'busbw':>8} {'check':>6}")
 
@@ -274,7 +276,8 @@ def print_peers(result: BenchResult) -> None:
           f"{mpi_meta.get('mpi_library', 'MPI').split(',')[0]} ({mpi_meta.get('command', 'mpirun')}),"
           " right after")
     print(f"# memcpy 1 thread: {result.meta['memcpy_gbps']:.2f} GB/s (this sweep), "
-          f"{mpi_meta.get('memcpy_gbps', float('nan')):.2f} GB/s (MPI sweep)")
+          f"{mpi_meta.get('memcpy_gbps', float('nan')):.2f} GB/s (MPI sweep); "
+          f"{_sampling(' when columns alternate', result.meta.get('timing', 'block'))}")
     width = 9
     head = f"#{'':>12}" + f" {'time (us)':^{(width + 1) * len(names) - 1}}"
     head += f" {'busbw (GB/s)':^{(width + 1) * len(names) - 1}}"
