@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -208,10 +209,14 @@ def test_time_samples_disciplines():
     assert [len(t) for t in times] == [2, 2] and "|" not in log
     assert log == ["a"] * 4 + ["b"] * 4 + ["b"] * 4 + ["a"] * 4  # the first column rotates
     log.clear()
+    exits = [[], []]
+    before = time.perf_counter()
     times = sweep.time_samples(runners, [0, 1], buffer, iters=3, block=16, realign=True,
-                               barrier=lambda: log.append("|"))
+                               barrier=lambda: log.append("|"), exits=exits)
     assert [len(t) for t in times] == [3, 3] and all(t >= 0 for t in times[0] + times[1])
     assert log == ["|", "a", "|", "b", "|", "b", "|", "a", "|", "a", "|", "b"]
+    assert [len(e) for e in exits] == [3, 3] and before <= min(exits[0]) and max(exits[1]) <= time.perf_counter()
+    assert exits[0][0] < exits[1][0] < exits[1][1] < exits[0][1]  # round 2 started with b
 
 
 @pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
@@ -367,6 +372,12 @@ def test_cli_mpi_peer_in_one_table(tmp_path):
     # --timing reaches both sweeps (torch ranks and mpirun), and every row says how it was timed.
     assert meta["timing"] == "barrier" and meta["mpi"]["timing"] == "barrier"
     assert {row["timing"] for row in rows} == {"barrier"}
+    # Every rank spawned here or under mpirun reads one clock: each row has the barrier's
+    # exit skew, a median of non-negative spreads, and the table prints it per column.
+    assert all(row["barrier_skew_us"] is not None and row["barrier_skew_us"] >= 0 for row in rows)
+    skew_table = proc.stdout.split("# barrier exit skew")[-1].splitlines()
+    assert skew_table[1].split() == ["#", "size(B)", "ring", "gloo", "mpi"]
+    assert [int(line.split()[0]) for line in skew_table[2:2 + len(sizes)]] == sizes
     assert "--timing barrier" in meta["mpi"]["command"]
     assert proc.stdout.count("a barrier on the control group, then one timed call") == 2
     assert meta["mpi"]["world_size"] == 2 and "Open MPI" in meta["mpi"]["mpi_library"]

@@ -122,7 +122,8 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
     printer.header(meta, skipped)
     rows, ok = run_sweep(cfg, runs, control, rank, world_size, sizes,
                          on_size=lambda nbytes, count, size_rows: printer.row(nbytes, count, cfg.dtype,
-                                                                              size_rows))
+                                                                              size_rows),
+                         same_clock=torchrun_env() is None)  # spawned or in namespaces: one kernel
     result = BenchResult(meta=meta, rows=rows, ok=ok)
     printer.footer(result)
     control.barrier()

@@ -143,7 +143,8 @@ def run_mpi_sweep(cfg: BenchConfig, comm=None) -> BenchResult:
     rows, ok = run_sweep(cfg, [MpiRunner(MPI, comm, cfg.op_name)], control, rank, world_size, sizes,
                          on_size=lambda nbytes, count, size_rows: printer.row(nbytes, count, cfg.dtype,
                                                                               size_rows),
-                         realign=True)
+                         realign=True,
+                         same_clock=len(set(comm.allgather(socket.gethostname()))) == 1)
     # MPI is the column under test here: an error is a failure, not a peer's gap.
     ok = ok and all(row["check"] != "ERR" for row in rows)
     result = BenchResult(meta=meta, rows=rows, ok=ok)

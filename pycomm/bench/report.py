@@ -177,6 +177,7 @@ class TablePrinter:
                 if row is not None and row["busbw_gbps"] is not None:
                     self._print(f"# busbw {run.name:<16} at {format_size(largest)}: "
                                 f"{100.0 * row['busbw_gbps'] / link:.0f}% of raw TCP ({link:.2f} GB/s)")
+        _print_skews(rows, column_names(rows), self._print)
         failures = [row for row in rows if row["check"] in ("FAIL", "ERR")]
         for row in failures[:10]:
             detail = f": {row['error']}" if row["error"] else ""
@@ -298,8 +299,23 @@ def print_peers(result: BenchResult) -> None:
             peer_bw = at[peer]["busbw_gbps"] if peer in at else None
             line += f" {fmt(best / peer_bw if best and peer_bw else None, width)}"
         print(line)
+    _print_skews(rows, names, print)
     print(f"# check: {'OK' if result.ok else 'FAIL'} (pycomm and MPI results against the closed form)",
           flush=True)
+
+
+def _print_skews(rows: List[Dict[str, Any]], names: Sequence[str], out) -> None:
+    """With --timing barrier: how far apart the ranks left the barrier, per size and column
+    (the earliest rank's time includes it)."""
+    if not any(row.get("barrier_skew_us") is not None for row in rows):
+        return
+    out("# barrier exit skew (us; median over samples of the last rank's exit minus the first's; "
+        "the time above includes it)")
+    out(f"#{'size(B)':>12}" + "".join(f" {name[:9]:>9}" for name in names))
+    for nbytes in sorted({row["size_bytes"] for row in rows}):
+        at = {row["name"]: row for row in rows if row["size_bytes"] == nbytes}
+        out(f" {nbytes:>12}" + "".join(f" {fmt(at[n].get('barrier_skew_us') if n in at else None, 9, 1)}"
+                                       for n in names))
 
 
 def import_pyplot():

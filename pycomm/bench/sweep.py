@@ -546,7 +546,8 @@ def byte_sizes(cfg: BenchConfig) -> Tuple[List[int], int]:
 
 def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.Tensor, iters: int,
                  block: int, realign: bool,
-                 barrier: Optional[Callable[[], None]] = None) -> List[List[float]]:
+                 barrier: Optional[Callable[[], None]] = None,
+                 exits: Optional[List[List[float]]] = None) -> List[List[float]]:
     """Seconds per call, ``iters`` samples of each column in ``timed`` (indices into ``runners``).
 
     Rounds interleave the columns (the starting column rotates each round) so that load
@@ -554,7 +555,9 @@ def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.
     (``--timing block``) a sample is ``block`` calls timed together, divided by ``block``;
     with ``realign`` it follows one untimed call of its own column. With ``barrier``
     (``--timing barrier``; the control group's, never the backend under test) a sample is
-    ``barrier()`` then one timed call; ``block`` and ``realign`` are not used.
+    ``barrier()`` then one timed call; ``block`` and ``realign`` are not used, and ``exits``
+    (one list per runner), when given, receives the ``time.perf_counter()`` at which each
+    sample left the barrier (CLOCK_MONOTONIC: comparable between processes of one host).
     """
     times: List[List[float]] = [[] for _ in runners]
     for round_index in range(iters):
@@ -568,6 +571,8 @@ def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.
                 start = time.perf_counter()
                 call(buffer)
                 times[i].append(time.perf_counter() - start)
+                if exits is not None:
+                    exits[i].append(start)
                 continue
             if realign:
                 call(buffer)
@@ -581,14 +586,19 @@ def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.
 def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, rank: int, world_size: int,
               sizes: Sequence[int],
               on_size: Optional[Callable[[int, int, List[Dict[str, Any]]], None]] = None,
-              realign: Optional[bool] = None) -> Tuple[List[Dict[str, Any]], bool]:
+              realign: Optional[bool] = None,
+              same_clock: bool = True) -> Tuple[List[Dict[str, Any]], bool]:
     """Every size of ``sizes`` through every runner: check, warm up, time; ``(rows, ok)``.
 
     Per size, each runner first reduces the closed-form pattern (``cfg.check``) and runs its
     warm-up calls; a runner that raises there (a dtype or op it cannot run, the same on
     every rank) is marked ERR and left out of the timing. Then :func:`time_samples` in
     ``cfg.timing``'s discipline (``barrier``: ``control.barrier`` before each call), with
-    ``realign`` when columns alternate unless ``realign`` says otherwise. ``on_size(nbytes,
+    ``realign`` when columns alternate unless ``realign`` says otherwise. With ``barrier``
+    timing and ``same_clock`` (every rank on this host's clock), each row also gives the
+    barrier's exit skew: the median over samples of the latest rank's exit minus the
+    earliest's. The earliest rank's time includes it, so the slowest rank's time is at
+    least about the skew, whatever the call costs. ``on_size(nbytes,
     count, rows)`` sees each size's rows as they are made.
     """
     dtype = DTYPES[cfg.dtype]
@@ -634,9 +644,18 @@ def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, ran
 
         # Phase 2: timed samples.
         buffer.fill_(stable_fill(op_name, rank))
+        barrier_timing = cfg.timing == "barrier"
+        exits: List[List[float]] = [[] for _ in runners]
         times = time_samples(runners, timed, buffer, iters, block_for(nbytes),
                              len(timed) > 1 if realign is None else realign,
-                             barrier=control.barrier if cfg.timing == "barrier" else None)
+                             barrier=control.barrier if barrier_timing else None, exits=exits)
+        skews: List[Optional[float]] = [None] * len(runners)
+        if barrier_timing and same_clock and timed:
+            # Latest and (negated) earliest exit of every sample, over ranks.
+            latest = control.max_floats([exits[i] for i in timed] + [[-t for t in exits[i]] for i in timed])
+            for k, i in enumerate(timed):
+                spread = [late + early for late, early in zip(latest[k], latest[len(timed) + k])]
+                skews[i] = statistics.median(spread) * 1e6
         for runner in runners:
             runner.release()
         # Slowest rank's median, first and third quartile; a check passes only if it passed everywhere.
@@ -668,6 +687,7 @@ def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, ran
                 "iters": iters,
                 "warmup": warmup,
                 "timing": cfg.timing,
+                "barrier_skew_us": skews[i],
                 "time_us": _us(seconds),
                 "time_us_q1": _us(stats[i][1]),
                 "time_us_q3": _us(stats[i][2]),
