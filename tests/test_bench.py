@@ -263,6 +263,51 @@ def _png_size(path: Path):
     return struct.unpack(">II", data[16:24])
 
 
+def test_shm_barrier_holds_everyone_and_leaves_nothing(tmp_path):
+    """3 threads as ranks, 50 barriers: nobody leaves barrier k before everybody entered it;
+    the file is gone once it is made; a missing rank is a timeout, not a hang."""
+    import threading
+
+    from pycomm.bench.shm_barrier import ShmBarrier
+
+    n, rounds = 3, 50
+    shared, made = {}, threading.Barrier(n)
+    events, lock = [], threading.Lock()
+
+    def broadcast(value):
+        if value is not None:
+            shared["path"] = value
+        made.wait()
+        return shared["path"]
+
+    def rank(r, barriers):
+        barriers[r] = ShmBarrier(r, n, broadcast, made.wait, timeout_s=30)
+        for k in range(rounds):
+            with lock:
+                events.append((k, "in"))
+            barriers[r]()
+            with lock:
+                events.append((k, "out"))
+
+    barriers = [None] * n
+    threads = [threading.Thread(target=rank, args=(r, barriers)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not os.path.exists(shared["path"])
+    for k in range(rounds):
+        last_in = max(i for i, e in enumerate(events) if e == (k, "in"))
+        first_out = min(i for i, e in enumerate(events) if e == (k, "out"))
+        assert last_in < first_out, k
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] did not arrive"):
+        barriers[0]._timeout_s = 0.2
+        barriers[0]()  # the others never come
+    for b in barriers:
+        b.close()
+
+
 @requires_backend
 def test_cli_pycomm_vs_gloo(tmp_path):
     out = tmp_path / "out.json"
@@ -403,7 +448,7 @@ def test_mpi_script_under_mpirun(tmp_path):
     script = os.path.join(_PACKAGE_ROOT, "benchmarks", "mpi_allreduce.py")
     cmd = ["mpirun", "--oversubscribe", "-np", "3", sys.executable, script, "-b", "4", "-e", "4K",
            "-f", "32", "--iters", "2", "--warmup", "0", "--dtype", "int32", "--op", "max",
-           "--json", str(out)]
+           "--json", str(out), "--timing", "shm-barrier"]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     try:
@@ -417,6 +462,7 @@ def test_mpi_script_under_mpirun(tmp_path):
     for row in data["rows"]:
         assert row["check"] == "OK" and row["name"] == "mpi"
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * 2 / 3)
+        assert row["timing"] == "shm-barrier" and row["barrier_skew_us"] >= 0
     assert "# check: OK" in proc.stdout
 
 
@@ -424,10 +470,13 @@ def test_mpi_script_under_mpirun(tmp_path):
 def test_cli_auto_int32_max(tmp_path):
     out = tmp_path / "auto.json"
     args = ["-n", "2", "-b", "1K", "-e", "1M", "-f", "32", "--iters", "2", "--warmup", "0",
-            "--algos", "auto,ring", "--dtype", "int32", "--op", "max", "--json", str(out)]
+            "--algos", "auto,ring", "--dtype", "int32", "--op", "max", "--json", str(out),
+            "--timing", "shm-barrier"]
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
-    _, rows = _load_rows(out)
+    meta, rows = _load_rows(out)
+    assert meta["timing"] == "shm-barrier" and "benchmark's own shared-memory barrier" in proc.stdout
+    assert all(row["barrier_skew_us"] >= 0 for row in rows), rows
     assert sorted({row["size_bytes"] for row in rows}) == [1024, 32768, 1048576]
     auto_rows = [row for row in rows if row["name"] == "auto"]
     assert len(auto_rows) == 3

@@ -55,8 +55,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="how a sample is timed: block = back-to-back calls (16 per sample up to "
                              "64 KiB, 4 up to 1 MiB), divided: the pipelined cost; barrier = a barrier "
                              "on the gloo control group (MPI_Barrier for --mpi), then one timed call: "
-                             "what a training loop sees. Either way time = median over samples of "
-                             "the slowest rank")
+                             "what a training loop sees; shm-barrier = the same with the benchmark's "
+                             "own shared-memory barrier, the same code for every column and MPI "
+                             "(ranks on one host; gloo's barrier lets ranks leave it far apart on a "
+                             "busy host). Every time = median over samples of the slowest rank")
     parser.add_argument("--json", dest="json_path", metavar="PATH", default=None,
                         help="write metadata and one row per (size, algorithm) to this JSON file")
     parser.add_argument("--timeout", type=float, default=300.0,

@@ -51,6 +51,9 @@ def _sampling(realigned: str, timing: str = "block") -> str:
     """How a timed iteration is made (sweep.time_samples), for the table headers."""
     if timing == "barrier":
         return "an iteration is a barrier on the control group, then one timed call (--timing barrier)"
+    if timing == "shm-barrier":
+        return ("an iteration is the benchmark's own shared-memory barrier (the same in every column), "
+                "then one timed call (--timing shm-barrier)")
     return (f"an iteration up to {format_size(BLOCK_SMALL_BYTES)} is {BLOCK_SMALL} back-to-back calls, "
             f"up to {format_size(BLOCK_MEDIUM_BYTES)} {BLOCK_MEDIUM}, divided (each after one untimed "
             f"call{realigned})")

@@ -23,6 +23,10 @@ Sampling (:func:`time_samples`, the same for every runner), two disciplines (``-
 * ``barrier``: a sample is a barrier on the control group (never the backend under test),
   then one timed call. This is what a training loop sees: every call starts from ranks
   that arrive together, with the wake-ups a collective after a pause needs.
+* ``shm-barrier``: the same with the benchmark's own shared-memory barrier
+  (:mod:`.shm_barrier`, ranks on one host), the same code for every column, Open MPI's
+  included: the control group's barrier (gloo's) can let the ranks go hundreds of
+  microseconds apart on a crowded host, and that skew lands in the time.
 
 A column is a :class:`Runner` (one all-reduce call on a buffer: pycomm with an algorithm,
 a torch.distributed peer such as gloo, MPI); the ranks agree on statuses and figures
@@ -157,7 +161,7 @@ BLOCK_MEDIUM_BYTES, BLOCK_MEDIUM = 2 ** 20, 4
 MIN_LARGE_ITERS = 3
 
 #: Sampling disciplines (``--timing``): blocks of back-to-back calls, or barrier then one call.
-TIMINGS = ("block", "barrier")
+TIMINGS = ("block", "barrier", "shm-barrier")
 
 MEMCPY_BYTES = 64 * 2 ** 20
 MEMCPY_REPEATS = 10
@@ -310,7 +314,8 @@ class BenchConfig:
     quiet: bool = False
     plot_path: Optional[str] = None
     mpi: bool = False
-    # How a sample is taken (TIMINGS): "block" of back-to-back calls, or "barrier" then one call.
+    # How a sample is taken (TIMINGS): "block" of back-to-back calls, or a barrier ("barrier": the
+    # control group's, "shm-barrier": the benchmark's own on one host) then one call.
     timing: str = "block"
     # The raw-TCP reference line (pycomm.bench.link): None = on when pycomm runs over TCP
     # only (PYCOMM_TRANSPORT=tcp) or across hosts with one rank each (--hosts N; with more
@@ -364,6 +369,8 @@ class BenchConfig:
             raise ValueError(f"{PREFIX} --algos names an algorithm twice: {','.join(self.algos)}")
         if self.timing not in TIMINGS:
             raise ValueError(f"{PREFIX} unknown --timing {self.timing!r}; choose from {', '.join(TIMINGS)}")
+        if self.timing == "shm-barrier" and self.hosts is not None:
+            raise ValueError(f"{PREFIX} --timing shm-barrier needs every rank on one host (not --hosts)")
         if self.timeout_s <= 0:
             raise ValueError(f"{PREFIX} --timeout must be positive")
         if self.plot_path is not None and not self.plot_path.lower().endswith(".png"):
@@ -587,13 +594,15 @@ def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, ran
               sizes: Sequence[int],
               on_size: Optional[Callable[[int, int, List[Dict[str, Any]]], None]] = None,
               realign: Optional[bool] = None,
-              same_clock: bool = True) -> Tuple[List[Dict[str, Any]], bool]:
+              same_clock: bool = True,
+              barrier: Optional[Callable[[], None]] = None) -> Tuple[List[Dict[str, Any]], bool]:
     """Every size of ``sizes`` through every runner: check, warm up, time; ``(rows, ok)``.
 
     Per size, each runner first reduces the closed-form pattern (``cfg.check``) and runs its
     warm-up calls; a runner that raises there (a dtype or op it cannot run, the same on
     every rank) is marked ERR and left out of the timing. Then :func:`time_samples` in
-    ``cfg.timing``'s discipline (``barrier``: ``control.barrier`` before each call), with
+    ``cfg.timing``'s discipline (``barrier``: ``control.barrier`` before each call;
+    ``shm-barrier``: ``barrier``, the caller's :class:`~.shm_barrier.ShmBarrier`), with
     ``realign`` when columns alternate unless ``realign`` says otherwise. With ``barrier``
     timing and ``same_clock`` (every rank on this host's clock), each row also gives the
     barrier's exit skew: the median over samples of the latest rank's exit minus the
@@ -644,11 +653,12 @@ def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, ran
 
         # Phase 2: timed samples.
         buffer.fill_(stable_fill(op_name, rank))
-        barrier_timing = cfg.timing == "barrier"
+        barrier_timing = cfg.timing != "block"
         exits: List[List[float]] = [[] for _ in runners]
         times = time_samples(runners, timed, buffer, iters, block_for(nbytes),
                              len(timed) > 1 if realign is None else realign,
-                             barrier=control.barrier if barrier_timing else None, exits=exits)
+                             barrier=(barrier or control.barrier) if barrier_timing else None,
+                             exits=exits)
         skews: List[Optional[float]] = [None] * len(runners)
         if barrier_timing and same_clock and timed:
             # Latest and (negated) earliest exit of every sample, over ranks.
