@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,39 @@ def test_parse_args():
     assert (default.nprocs, default.min_bytes, default.max_bytes, default.step_factor) == (2, 8, 64 * 2 ** 20, 4)
     assert (default.iters, default.warmup, default.dtype, default.op) == (20, 5, "float32", "sum")
     assert default.algos == ("auto", "ring", "tree", "sharded") and default.peer == "gloo" and default.check
+    assert default.timing == "block" and bench.parse_args(["--timing", "barrier"]).timing == "barrier"
+    with pytest.raises(ValueError, match="pycomm bench: unknown --timing 'blocks'"):
+        sweep.BenchConfig(timing="blocks").validate()
+
+
+class _Recorder(sweep.Runner):
+    """A column that logs its calls (and, through ``log``, the barriers between them)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def call(self, buffer):
+        self.log.append(self.name)
+
+
+def test_time_samples_disciplines():
+    """block: realign call + a block of calls per sample, no barrier; barrier: the barrier,
+    then exactly one call per sample, whatever block and realign say."""
+    log = []
+    runners = [_Recorder("a", log), _Recorder("b", log)]
+    buffer = torch.zeros(2)
+    times = sweep.time_samples(runners, [0, 1], buffer, iters=2, block=3, realign=True)
+    assert [len(t) for t in times] == [2, 2] and "|" not in log
+    assert log == ["a"] * 4 + ["b"] * 4 + ["b"] * 4 + ["a"] * 4  # the first column rotates
+    log.clear()
+    exits = [[], []]
+    before = time.perf_counter()
+    times = sweep.time_samples(runners, [0, 1], buffer, iters=3, block=16, realign=True,
+                               barrier=lambda: log.append("|"), exits=exits)
+    assert [len(t) for t in times] == [3, 3] and all(t >= 0 for t in times[0] + times[1])
+    assert log == ["|", "a", "|", "b", "|", "b", "|", "a", "|", "a", "|", "b"]
+    assert [len(e) for e in exits] == [3, 3] and before <= min(exits[0]) and max(exits[1]) <= time.perf_counter()
+    assert exits[0][0] < exits[1][0] < exits[1][1] < exits[0][1]  # round 2 started with b
 
 
 @pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
@@ -227,6 +261,51 @@ def _png_size(path: Path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     assert data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
+
+
+def test_shm_barrier_holds_everyone_and_leaves_nothing(tmp_path):
+    """3 threads as ranks, 50 barriers: nobody leaves barrier k before everybody entered it;
+    the file is gone once it is made; a missing rank is a timeout, not a hang."""
+    import threading
+
+    from pycomm.bench.shm_barrier import ShmBarrier
+
+    n, rounds = 3, 50
+    shared, made = {}, threading.Barrier(n)
+    events, lock = [], threading.Lock()
+
+    def broadcast(value):
+        if value is not None:
+            shared["path"] = value
+        made.wait()
+        return shared["path"]
+
+    def rank(r, barriers):
+        barriers[r] = ShmBarrier(r, n, broadcast, made.wait, timeout_s=30)
+        for k in range(rounds):
+            with lock:
+                events.append((k, "in"))
+            barriers[r]()
+            with lock:
+                events.append((k, "out"))
+
+    barriers = [None] * n
+    threads = [threading.Thread(target=rank, args=(r, barriers)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not os.path.exists(shared["path"])
+    for k in range(rounds):
+        last_in = max(i for i, e in enumerate(events) if e == (k, "in"))
+        first_out = min(i for i, e in enumerate(events) if e == (k, "out"))
+        assert last_in < first_out, k
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] did not arrive"):
+        barriers[0]._timeout_s = 0.2
+        barriers[0]()  # the others never come
+    for b in barriers:
+        b.close()
 
 
 @requires_backend
@@ -330,11 +409,22 @@ def test_cli_mpi_peer_in_one_table(tmp_path):
     out = tmp_path / "peers.json"
     plot = tmp_path / "peers.png"
     args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
-            "--algos", "ring", "--mpi", "--json", str(out), "--plot", str(plot)]
+            "--algos", "ring", "--mpi", "--json", str(out), "--plot", str(plot), "--timing", "barrier"]
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     sizes = [8, 64, 512, 4096, 32768, 65536]
+    # --timing reaches both sweeps (torch ranks and mpirun), and every row says how it was timed.
+    assert meta["timing"] == "barrier" and meta["mpi"]["timing"] == "barrier"
+    assert {row["timing"] for row in rows} == {"barrier"}
+    # Every rank spawned here or under mpirun reads one clock: each row has the barrier's
+    # exit skew, a median of non-negative spreads, and the table prints it per column.
+    assert all(row["barrier_skew_us"] is not None and row["barrier_skew_us"] >= 0 for row in rows)
+    skew_table = proc.stdout.split("# barrier exit skew")[-1].splitlines()
+    assert skew_table[1].split() == ["#", "size(B)", "ring", "gloo", "mpi"]
+    assert [int(line.split()[0]) for line in skew_table[2:2 + len(sizes)]] == sizes
+    assert "--timing barrier" in meta["mpi"]["command"]
+    assert proc.stdout.count("a barrier on the control group, then one timed call") == 2
     assert meta["mpi"]["world_size"] == 2 and "Open MPI" in meta["mpi"]["mpi_library"]
     mpi_rows = [row for row in rows if row["name"] == "mpi"]
     assert [row["size_bytes"] for row in mpi_rows] == sizes
@@ -345,7 +435,7 @@ def test_cli_mpi_peer_in_one_table(tmp_path):
         assert ring["vs_mpi"] == pytest.approx(ring["busbw_gbps"] / row["busbw_gbps"])
     _assert_sweep([row for row in rows if row["name"] != "mpi"], ["ring"], sizes, "gloo")
     assert "# all peers, one run" in proc.stdout and "# check: OK (pycomm and MPI" in proc.stdout
-    table = proc.stdout.split("# all peers, one run")[1].splitlines()
+    table = proc.stdout.split("# all peers, one run")[1].split("# barrier exit skew")[0].splitlines()
     assert table[3].split() == ["#", "size(B)"] + ["ring", "gloo", "mpi"] * 2 + ["gloo", "mpi"]
     assert len([line for line in table if line.startswith(" ")]) == len(sizes)
     assert _png_size(plot) == (1430, 572)
@@ -358,7 +448,7 @@ def test_mpi_script_under_mpirun(tmp_path):
     script = os.path.join(_PACKAGE_ROOT, "benchmarks", "mpi_allreduce.py")
     cmd = ["mpirun", "--oversubscribe", "-np", "3", sys.executable, script, "-b", "4", "-e", "4K",
            "-f", "32", "--iters", "2", "--warmup", "0", "--dtype", "int32", "--op", "max",
-           "--json", str(out)]
+           "--json", str(out), "--timing", "shm-barrier"]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     try:
@@ -372,6 +462,7 @@ def test_mpi_script_under_mpirun(tmp_path):
     for row in data["rows"]:
         assert row["check"] == "OK" and row["name"] == "mpi"
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * 2 / 3)
+        assert row["timing"] == "shm-barrier" and row["barrier_skew_us"] >= 0
     assert "# check: OK" in proc.stdout
 
 
@@ -379,10 +470,13 @@ def test_mpi_script_under_mpirun(tmp_path):
 def test_cli_auto_int32_max(tmp_path):
     out = tmp_path / "auto.json"
     args = ["-n", "2", "-b", "1K", "-e", "1M", "-f", "32", "--iters", "2", "--warmup", "0",
-            "--algos", "auto,ring", "--dtype", "int32", "--op", "max", "--json", str(out)]
+            "--algos", "auto,ring", "--dtype", "int32", "--op", "max", "--json", str(out),
+            "--timing", "shm-barrier"]
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
-    _, rows = _load_rows(out)
+    meta, rows = _load_rows(out)
+    assert meta["timing"] == "shm-barrier" and "benchmark's own shared-memory barrier" in proc.stdout
+    assert all(row["barrier_skew_us"] >= 0 for row in rows), rows
     assert sorted({row["size_bytes"] for row in rows}) == [1024, 32768, 1048576]
     auto_rows = [row for row in rows if row["name"] == "auto"]
     assert len(auto_rows) == 3

@@ -120,7 +120,14 @@ class ShmArena {
   bool spread_ = true;  // PYCOMM_SHM_SPREAD=0 turns spreadRanks off
   cpu_set_t allowed_;  // this thread's affinity mask when the arena was made
   Clock::time_point lastMove_{};
-  static constexpr int kYieldMicros = 200;
+  // Oversubscribed waits poll with sched_yield this long before they sleep on the
+  // futex (Open MPI polls with sched_yield without end on oversubscribed nodes).
+  // Long enough to cover the skew of ranks leaving a barrier on a crowded host
+  // (hundreds of us), so a rank that arrives early is awake when its peers post;
+  // short enough that a rank waiting for a peer's computation soon sleeps.
+  static constexpr int kYieldMicros = 5000;
+  // How many yields between checks of the peers' abort flags while polling.
+  static constexpr int kYieldsPerCheck = 256;
   std::function<std::string(int)> namer_;
 };
 

@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .harness import run_benchmark
-from .sweep import DTYPES, MIN_LARGE_ITERS, OPS, PREFIX, BenchConfig, size_arg
+from .sweep import DTYPES, MIN_LARGE_ITERS, OPS, PREFIX, TIMINGS, BenchConfig, size_arg
 
 __all__ = ["main", "parse_args"]
 
@@ -51,6 +51,14 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="peer backend measured in the same run for comparison; 'none' to skip")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="check every algorithm's result against the closed-form value")
+    parser.add_argument("--timing", default="block", choices=TIMINGS,
+                        help="how a sample is timed: block = back-to-back calls (16 per sample up to "
+                             "64 KiB, 4 up to 1 MiB), divided: the pipelined cost; barrier = a barrier "
+                             "on the gloo control group (MPI_Barrier for --mpi), then one timed call: "
+                             "what a training loop sees; shm-barrier = the same with the benchmark's "
+                             "own shared-memory barrier, the same code for every column and MPI "
+                             "(ranks on one host; gloo's barrier lets ranks leave it far apart on a "
+                             "busy host). Every time = median over samples of the slowest rank")
     parser.add_argument("--json", dest="json_path", metavar="PATH", default=None,
                         help="write metadata and one row per (size, algorithm) to this JSON file")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -107,6 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         timeout_s=args.timeout,
         plot_path=args.plot_path,
         mpi=args.mpi,
+        timing=args.timing,
         tcp_reference=args.tcp_reference,
         hosts=args.hosts,
         ranks_per_host=args.ranks_per_host,

@@ -112,6 +112,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "iters": cfg.iters,
         "warmup": cfg.warmup,
         "check": cfg.check,
+        "timing": cfg.timing,
     }
     if cfg.backend == "pycomm":
         from ..config import bind_address, load_config, resolve_streams
@@ -122,15 +123,40 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         meta.update(hosts=cfg.hosts, ranks_per_host=cfg.ranks_per_host, rate=cfg.rate,
                     host_ifname=os.environ.get("PYCOMM_SOCKET_IFNAME"))
     sizes, skipped = byte_sizes(cfg)
+    hostnames = [None] * world_size
+    dist.all_gather_object(hostnames, socket.gethostname(), group=control.group)
+    same_host = len(set(hostnames)) == 1 and not cfg.hosts
+    barrier = _shm_barrier(cfg, control, rank, world_size, same_host) if cfg.timing == "shm-barrier" else None
     printer = TablePrinter(runs, world_size, enabled=(rank == 0 and not cfg.quiet))
     printer.header(meta, skipped)
-    rows, ok = run_sweep(cfg, runs, control, rank, world_size, sizes,
-                         on_size=lambda nbytes, count, size_rows: printer.row(nbytes, count, cfg.dtype,
-                                                                              size_rows))
+    try:
+        rows, ok = run_sweep(cfg, runs, control, rank, world_size, sizes,
+                             on_size=lambda nbytes, count, size_rows: printer.row(nbytes, count, cfg.dtype,
+                                                                                  size_rows),
+                             same_clock=same_host or cfg.hosts is not None,  # namespaces: one kernel
+                             barrier=barrier)
+    finally:
+        if barrier is not None:
+            barrier.close()
     result = BenchResult(meta=meta, rows=rows, ok=ok)
     printer.footer(result)
     control.barrier()
     return result
+
+
+def _shm_barrier(cfg: BenchConfig, control: TorchControl, rank: int, world_size: int, same_host: bool):
+    """The benchmark's own barrier for --timing shm-barrier (every rank on this host)."""
+    from .shm_barrier import ShmBarrier
+
+    if not same_host:
+        raise RuntimeError(f"{PREFIX} --timing shm-barrier needs every rank on one host")
+
+    def broadcast(value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=control.group)
+        return box[0]
+
+    return ShmBarrier(rank, world_size, broadcast, control.barrier, cfg.timeout_s)
 
 
 def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_size: int):
@@ -215,7 +241,7 @@ def _mpi_command(cfg: BenchConfig, world_size: int, json_path: str) -> List[str]
     cmd += ["--oversubscribe", "-np", str(world_size), sys.executable, "-m", MPI_MODULE,
             "-b", str(cfg.min_bytes), "-e", str(cfg.max_bytes), "-f", str(cfg.step_factor),
             "--iters", str(cfg.iters), "--warmup", str(cfg.warmup), "--dtype", cfg.dtype,
-            "--op", cfg.op, "--check" if cfg.check else "--no-check", "--quiet",
+            "--op", cfg.op, "--check" if cfg.check else "--no-check", "--timing", cfg.timing, "--quiet",
             "--json", json_path]
     return cmd
 

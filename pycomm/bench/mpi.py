@@ -10,7 +10,9 @@ after its own sweep and prints one table with every peer.) MPI is one more runne
 :func:`pycomm.bench.sweep.run_sweep`, so everything is measured as pycomm's and gloo's
 columns are: the same sizes and iteration rule (fewer iterations from 16 MiB up), a
 correctness check on the same closed-form pattern before timing, the same samples (blocks
-of back-to-back calls for small messages, each sample after one untimed call), time =
+of back-to-back calls for small messages, each sample after one untimed call; or, with
+``--timing barrier``, MPI_Barrier then one timed call; with ``--timing shm-barrier`` the
+benchmark's own shared-memory barrier, the code pycomm's and gloo's columns use), time =
 median over iterations of the slowest rank, algbw = S/t, busbw = algbw * 2(n-1)/n. The
 all-reduce is in place (``MPI_IN_PLACE``). The JSON has pycomm.bench's shape, with
 ``name`` "mpi" and ``backend`` "openmpi".
@@ -31,9 +33,11 @@ import numpy as np
 import torch
 
 from .report import MpiTablePrinter, write_json
+from .shm_barrier import ShmBarrier
 from .sweep import (
     MPI_DTYPES,
     MPI_OPS,
+    TIMINGS,
     BenchConfig,
     BenchResult,
     Control,
@@ -131,16 +135,28 @@ def run_mpi_sweep(cfg: BenchConfig, comm=None) -> BenchResult:
         "iters": cfg.iters,
         "warmup": cfg.warmup,
         "check": cfg.check,
+        "timing": cfg.timing,
     }
     sizes, skipped = byte_sizes(cfg)
     printer = MpiTablePrinter(enabled=(rank == 0 and not cfg.quiet))
     printer.header(meta, skipped)
     # MPI's column stands beside pycomm's and gloo's, which alternate: its samples also
     # follow one untimed call each.
-    rows, ok = run_sweep(cfg, [MpiRunner(MPI, comm, cfg.op_name)], control, rank, world_size, sizes,
-                         on_size=lambda nbytes, count, size_rows: printer.row(nbytes, count, cfg.dtype,
-                                                                              size_rows),
-                         realign=True)
+    same_host = len(set(comm.allgather(socket.gethostname()))) == 1
+    barrier = None
+    if cfg.timing == "shm-barrier":
+        if not same_host:
+            raise RuntimeError(f"{_PREFIX} --timing shm-barrier needs every rank on one host")
+        barrier = ShmBarrier(rank, world_size, lambda value: comm.bcast(value, root=0), comm.Barrier,
+                             cfg.timeout_s)
+    try:
+        rows, ok = run_sweep(cfg, [MpiRunner(MPI, comm, cfg.op_name)], control, rank, world_size, sizes,
+                             on_size=lambda nbytes, count, size_rows: printer.row(nbytes, count, cfg.dtype,
+                                                                                  size_rows),
+                             realign=True, same_clock=same_host, barrier=barrier)
+    finally:
+        if barrier is not None:
+            barrier.close()
     # MPI is the column under test here: an error is a failure, not a peer's gap.
     ok = ok and all(row["check"] != "ERR" for row in rows)
     result = BenchResult(meta=meta, rows=rows, ok=ok)
@@ -161,6 +177,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=MPI_DTYPES)
     parser.add_argument("--op", default="sum", choices=MPI_OPS)
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--timing", default="block", choices=TIMINGS,
+                        help="block: back-to-back calls per sample; barrier: MPI_Barrier, then one "
+                             "timed call per sample; shm-barrier: pycomm.bench's own shared-memory "
+                             "barrier (ranks on one host), then one timed call")
     parser.add_argument("--json", dest="json_path", metavar="PATH", default=None,
                         help="rank 0 writes the result here (pycomm.bench's JSON shape)")
     parser.add_argument("--quiet", action="store_true", help="no table on stdout")
@@ -172,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = BenchConfig(min_bytes=args.minbytes, max_bytes=args.maxbytes,
                       step_factor=args.stepfactor, iters=args.iters, warmup=args.warmup,
                       dtype=args.dtype, op=args.op, check=args.check, quiet=args.quiet,
-                      peer=None)
+                      peer=None, timing=args.timing)
     try:
         cfg.validate()
         MPI = _import_mpi()

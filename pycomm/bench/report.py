@@ -47,8 +47,13 @@ def fmt(value: Optional[float], width: int, digits: int = 2) -> str:
     return f"{value:>{width}.{digits}f}"
 
 
-def _sampling(realigned: str) -> str:
+def _sampling(realigned: str, timing: str = "block") -> str:
     """How a timed iteration is made (sweep.time_samples), for the table headers."""
+    if timing == "barrier":
+        return "an iteration is a barrier on the control group, then one timed call (--timing barrier)"
+    if timing == "shm-barrier":
+        return ("an iteration is the benchmark's own shared-memory barrier (the same in every column), "
+                "then one timed call (--timing shm-barrier)")
     return (f"an iteration up to {format_size(BLOCK_SMALL_BYTES)} is {BLOCK_SMALL} back-to-back calls, "
             f"up to {format_size(BLOCK_MEDIUM_BYTES)} {BLOCK_MEDIUM}, divided (each after one untimed "
             f"call{realigned})")
@@ -95,7 +100,7 @@ class TablePrinter:
                     f"peer {meta['peer'] or 'none'}; iters {meta['iters']} (fewer from "
                     f"{format_size(LARGE_BYTES)} up, at least {MIN_LARGE_ITERS}), warmup {meta['warmup']}, "
                     f"check {'on' if meta['check'] else 'off'}")
-        self._print(f"# time = median over iterations, max over ranks; {_sampling(' when columns alternate')}; "
+        self._print(f"# time = median over iterations, max over ranks; {_sampling(' when columns alternate', meta.get('timing', 'block'))}; "
                     "algbw = S/t (S = bytes per rank); busbw = algbw*2(n-1)/n; GB/s = 1e9 B/s")
         if skipped:
             self._print(f"# skipped {skipped} size(s) smaller than one element or duplicated after rounding")
@@ -178,6 +183,7 @@ class TablePrinter:
                 if row is not None and row["busbw_gbps"] is not None:
                     self._print(f"# busbw {run.name:<16} at {format_size(largest)}: "
                                 f"{100.0 * row['busbw_gbps'] / link:.0f}% of raw TCP ({link:.2f} GB/s)")
+        _print_skews(rows, column_names(rows), self._print)
         failures = [row for row in rows if row["check"] in ("FAIL", "ERR")]
         for row in failures[:10]:
             detail = f": {row['error']}" if row["error"] else ""
@@ -209,7 +215,7 @@ class MpiTablePrinter:
         self._print(f"# world size {meta['world_size']} (mpirun), mpi4py {meta['mpi4py_version']}, "
                     f"op {meta['op']}, dtype {meta['dtype']}, in place")
         self._print(f"# memcpy (1 thread): {meta['memcpy_gbps']:.2f} GB/s; time = median over iterations, "
-                    f"max over ranks; {_sampling('')}; algbw = S/t; busbw = algbw*2(n-1)/n")
+                    f"max over ranks; {_sampling('', meta.get('timing', 'block'))}; algbw = S/t; busbw = algbw*2(n-1)/n")
         self._print(f"#{'size(B)':>12} {'count':>12} {'type':>8} {'time(us)':>10} {'algbw':>8} "
                     f"{'busbw':>8} {'check':>6}")
 
@@ -277,7 +283,8 @@ def print_peers(result: BenchResult) -> None:
           f"{mpi_meta.get('mpi_library', 'MPI').split(',')[0]} ({mpi_meta.get('command', 'mpirun')}),"
           " right after")
     print(f"# memcpy 1 thread: {result.meta['memcpy_gbps']:.2f} GB/s (this sweep), "
-          f"{mpi_meta.get('memcpy_gbps', float('nan')):.2f} GB/s (MPI sweep)")
+          f"{mpi_meta.get('memcpy_gbps', float('nan')):.2f} GB/s (MPI sweep); "
+          f"{_sampling(' when columns alternate', result.meta.get('timing', 'block'))}")
     width = 9
     head = f"#{'':>12}" + f" {'time (us)':^{(width + 1) * len(names) - 1}}"
     head += f" {'busbw (GB/s)':^{(width + 1) * len(names) - 1}}"
@@ -298,8 +305,23 @@ def print_peers(result: BenchResult) -> None:
             peer_bw = at[peer]["busbw_gbps"] if peer in at else None
             line += f" {fmt(best / peer_bw if best and peer_bw else None, width)}"
         print(line)
+    _print_skews(rows, names, print)
     print(f"# check: {'OK' if result.ok else 'FAIL'} (pycomm and MPI results against the closed form)",
           flush=True)
+
+
+def _print_skews(rows: List[Dict[str, Any]], names: Sequence[str], out) -> None:
+    """With --timing barrier: how far apart the ranks left the barrier, per size and column
+    (the earliest rank's time includes it)."""
+    if not any(row.get("barrier_skew_us") is not None for row in rows):
+        return
+    out("# barrier exit skew (us; median over samples of the last rank's exit minus the first's; "
+        "the time above includes it)")
+    out(f"#{'size(B)':>12}" + "".join(f" {name[:9]:>9}" for name in names))
+    for nbytes in sorted({row["size_bytes"] for row in rows}):
+        at = {row["name"]: row for row in rows if row["size_bytes"] == nbytes}
+        out(f" {nbytes:>12}" + "".join(f" {fmt(at[n].get('barrier_skew_us') if n in at else None, 9, 1)}"
+                                       for n in names))
 
 
 def import_pyplot():

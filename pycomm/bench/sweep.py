@@ -14,10 +14,19 @@ rank- and position-dependent pattern whose result is known in closed form
 runs on a buffer filled with a value that the reduction keeps stable (0 for
 sum, 1 for product), so no re-fill is needed between timed iterations.
 
-Sampling (:func:`time_samples`, the same for every runner): a sample of a small message
-is a block of back-to-back calls (16 up to 64 KiB, 4 up to 1 MiB, else 1) timed together
-and divided; when several columns alternate, every sample follows one untimed call of
-its own column, which realigns the ranks after the previous column's call.
+Sampling (:func:`time_samples`, the same for every runner), two disciplines (``--timing``):
+
+* ``block`` (default): a sample of a small message is a block of back-to-back calls (16 up
+  to 64 KiB, 4 up to 1 MiB, else 1) timed together and divided; when several columns
+  alternate, every sample follows one untimed call of its own column, which realigns the
+  ranks after the previous column's call. This is the pipelined cost of a call.
+* ``barrier``: a sample is a barrier on the control group (never the backend under test),
+  then one timed call. This is what a training loop sees: every call starts from ranks
+  that arrive together, with the wake-ups a collective after a pause needs.
+* ``shm-barrier``: the same with the benchmark's own shared-memory barrier
+  (:mod:`.shm_barrier`, ranks on one host), the same code for every column, Open MPI's
+  included: the control group's barrier (gloo's) can let the ranks go hundreds of
+  microseconds apart on a crowded host, and that skew lands in the time.
 
 A column is a :class:`Runner` (one all-reduce call on a buffer: pycomm with an algorithm,
 a torch.distributed peer such as gloo, MPI); the ranks agree on statuses and figures
@@ -56,6 +65,7 @@ __all__ = [
     "OPS",
     "PREFIX",
     "Runner",
+    "TIMINGS",
     "alg_bandwidth",
     "block_for",
     "bus_bandwidth",
@@ -149,6 +159,9 @@ LARGE_BYTES = 16 * 2 ** 20
 BLOCK_SMALL_BYTES, BLOCK_SMALL = 64 * 2 ** 10, 16
 BLOCK_MEDIUM_BYTES, BLOCK_MEDIUM = 2 ** 20, 4
 MIN_LARGE_ITERS = 3
+
+#: Sampling disciplines (``--timing``): blocks of back-to-back calls, or barrier then one call.
+TIMINGS = ("block", "barrier", "shm-barrier")
 
 MEMCPY_BYTES = 64 * 2 ** 20
 MEMCPY_REPEATS = 10
@@ -301,6 +314,9 @@ class BenchConfig:
     quiet: bool = False
     plot_path: Optional[str] = None
     mpi: bool = False
+    # How a sample is taken (TIMINGS): "block" of back-to-back calls, or a barrier ("barrier": the
+    # control group's, "shm-barrier": the benchmark's own on one host) then one call.
+    timing: str = "block"
     # The raw-TCP reference line (pycomm.bench.link): None = on when pycomm runs over TCP
     # only (PYCOMM_TRANSPORT=tcp) or across hosts with one rank each (--hosts N; with more
     # ranks per host half the ring's links stay inside a host, so it is no ceiling).
@@ -351,6 +367,10 @@ class BenchConfig:
             raise ValueError(f"{PREFIX} --algos is empty")
         if len(set(self.algos)) != len(self.algos):
             raise ValueError(f"{PREFIX} --algos names an algorithm twice: {','.join(self.algos)}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"{PREFIX} unknown --timing {self.timing!r}; choose from {', '.join(TIMINGS)}")
+        if self.timing == "shm-barrier" and self.hosts is not None:
+            raise ValueError(f"{PREFIX} --timing shm-barrier needs every rank on one host (not --hosts)")
         if self.timeout_s <= 0:
             raise ValueError(f"{PREFIX} --timeout must be positive")
         if self.plot_path is not None and not self.plot_path.lower().endswith(".png"):
@@ -532,13 +552,19 @@ def byte_sizes(cfg: BenchConfig) -> Tuple[List[int], int]:
 
 
 def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.Tensor, iters: int,
-                 block: int, realign: bool) -> List[List[float]]:
+                 block: int, realign: bool,
+                 barrier: Optional[Callable[[], None]] = None,
+                 exits: Optional[List[List[float]]] = None) -> List[List[float]]:
     """Seconds per call, ``iters`` samples of each column in ``timed`` (indices into ``runners``).
 
     Rounds interleave the columns (the starting column rotates each round) so that load
-    changing over time on a shared host affects every column alike. No barriers: a sample
-    is ``block`` calls timed together, divided by ``block``; with ``realign`` it follows one
-    untimed call of its own column.
+    changing over time on a shared host affects every column alike. Without ``barrier``
+    (``--timing block``) a sample is ``block`` calls timed together, divided by ``block``;
+    with ``realign`` it follows one untimed call of its own column. With ``barrier``
+    (``--timing barrier``; the control group's, never the backend under test) a sample is
+    ``barrier()`` then one timed call; ``block`` and ``realign`` are not used, and ``exits``
+    (one list per runner), when given, receives the ``time.perf_counter()`` at which each
+    sample left the barrier (CLOCK_MONOTONIC: comparable between processes of one host).
     """
     times: List[List[float]] = [[] for _ in runners]
     for round_index in range(iters):
@@ -547,6 +573,14 @@ def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.
             runner = runners[i]
             runner.select()
             call = runner.call
+            if barrier is not None:
+                barrier()
+                start = time.perf_counter()
+                call(buffer)
+                times[i].append(time.perf_counter() - start)
+                if exits is not None:
+                    exits[i].append(start)
+                continue
             if realign:
                 call(buffer)
             start = time.perf_counter()
@@ -559,13 +593,21 @@ def time_samples(runners: Sequence[Runner], timed: Sequence[int], buffer: torch.
 def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, rank: int, world_size: int,
               sizes: Sequence[int],
               on_size: Optional[Callable[[int, int, List[Dict[str, Any]]], None]] = None,
-              realign: Optional[bool] = None) -> Tuple[List[Dict[str, Any]], bool]:
+              realign: Optional[bool] = None,
+              same_clock: bool = True,
+              barrier: Optional[Callable[[], None]] = None) -> Tuple[List[Dict[str, Any]], bool]:
     """Every size of ``sizes`` through every runner: check, warm up, time; ``(rows, ok)``.
 
     Per size, each runner first reduces the closed-form pattern (``cfg.check``) and runs its
     warm-up calls; a runner that raises there (a dtype or op it cannot run, the same on
-    every rank) is marked ERR and left out of the timing. Then :func:`time_samples`, with
-    ``realign`` when columns alternate unless ``realign`` says otherwise. ``on_size(nbytes,
+    every rank) is marked ERR and left out of the timing. Then :func:`time_samples` in
+    ``cfg.timing``'s discipline (``barrier``: ``control.barrier`` before each call;
+    ``shm-barrier``: ``barrier``, the caller's :class:`~.shm_barrier.ShmBarrier`), with
+    ``realign`` when columns alternate unless ``realign`` says otherwise. With ``barrier``
+    timing and ``same_clock`` (every rank on this host's clock), each row also gives the
+    barrier's exit skew: the median over samples of the latest rank's exit minus the
+    earliest's. The earliest rank's time includes it, so the slowest rank's time is at
+    least about the skew, whatever the call costs. ``on_size(nbytes,
     count, rows)`` sees each size's rows as they are made.
     """
     dtype = DTYPES[cfg.dtype]
@@ -611,8 +653,19 @@ def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, ran
 
         # Phase 2: timed samples.
         buffer.fill_(stable_fill(op_name, rank))
+        barrier_timing = cfg.timing != "block"
+        exits: List[List[float]] = [[] for _ in runners]
         times = time_samples(runners, timed, buffer, iters, block_for(nbytes),
-                             len(timed) > 1 if realign is None else realign)
+                             len(timed) > 1 if realign is None else realign,
+                             barrier=(barrier or control.barrier) if barrier_timing else None,
+                             exits=exits)
+        skews: List[Optional[float]] = [None] * len(runners)
+        if barrier_timing and same_clock and timed:
+            # Latest and (negated) earliest exit of every sample, over ranks.
+            latest = control.max_floats([exits[i] for i in timed] + [[-t for t in exits[i]] for i in timed])
+            for k, i in enumerate(timed):
+                spread = [late + early for late, early in zip(latest[k], latest[len(timed) + k])]
+                skews[i] = statistics.median(spread) * 1e6
         for runner in runners:
             runner.release()
         # Slowest rank's median, first and third quartile; a check passes only if it passed everywhere.
@@ -643,6 +696,8 @@ def run_sweep(cfg: BenchConfig, runners: Sequence[Runner], control: Control, ran
                 "peer": runner.is_peer,
                 "iters": iters,
                 "warmup": warmup,
+                "timing": cfg.timing,
+                "barrier_skew_us": skews[i],
                 "time_us": _us(seconds),
                 "time_us_q1": _us(stats[i][1]),
                 "time_us_q3": _us(stats[i][2]),
