@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mp_util import spawn_run
+from test_hooks import _Bucket
 
 STEPS = 8
 DENSITY = 0.05
@@ -123,30 +124,13 @@ def _rule_checks(ctx):
 
     layout = [[5, 4, 3], [2, 1, 0]]
 
-    class Bucket:
-        def __init__(self, positions, gs, index, last):
-            self._params = [params[i] for i in positions]
-            self._buffer = torch.cat([gs[i] for i in positions])
-            self._index, self._last = index, last
-
-        def buffer(self):
-            return self._buffer
-
-        def parameters(self):
-            return self._params
-
-        def index(self):
-            return self._index
-
-        def is_last(self):
-            return self._last
-
     def run(state, step):
         gs = grads(ctx.rank, step)
         results = {}
         futures = []
         for b, positions in enumerate(layout):
-            futures.append((positions, H.topk_hook(state, Bucket(positions, gs, b, b == len(layout) - 1))))
+            bucket = _Bucket([params[i] for i in positions], [gs[i] for i in positions], b, b == len(layout) - 1)
+            futures.append((positions, H.topk_hook(state, bucket)))
         for positions, fut in futures:
             result = fut.wait()
             at = 0
