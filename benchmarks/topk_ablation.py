@@ -169,9 +169,11 @@ def _make(args):
     return task.make_model(args.seed), task
 
 
-def _dense_params(rule, named):
+def _dense_params(rule, named, density=0.01):
     """Parameter numbers a variant averages exactly: "1d" (biases, norms), "embed"
-    (token and position embeddings), "lt:N" (fewer than N entries), combined with "+"."""
+    (token and position embeddings), "lt:N" (fewer than N entries), "rate:R" (dense float32
+    bytes below R x the bytes of its top-k pairs, 4-byte index + 4-byte value: the rule of
+    TopKState's min_compression_rate), combined with "+"."""
     out = set()
     for part in (rule or "").split("+"):
         for i, (name, p) in enumerate(named):
@@ -180,6 +182,8 @@ def _dense_params(rule, named):
             elif part == "embed" and ("token" in name or "position" in name):
                 out.add(i)
             elif part.startswith("lt:") and p.numel() < int(part[3:]):
+                out.add(i)
+            elif part.startswith("rate:") and 4 * p.numel() < float(part[5:]) * 8 * _count(p.numel(), density):
                 out.add(i)
     return out
 
@@ -197,7 +201,8 @@ def train(args, variant):
                                                           owner=variant.get("owner"),
                                                           momentum=variant.get("momentum", "ef-grad"),
                                                           beta=args.momentum,
-                                                          dense_params=_dense_params(variant.get("dense_params"), named),
+                                                          dense_params=_dense_params(variant.get("dense_params"), named,
+                                                                                      variant.get("density", args.density)),
                                                           warmup=variant.get("warmup", 0),
                                                           min_k=variant.get("min_k", 1))
     per_rank = args.global_batch // args.world
@@ -252,6 +257,7 @@ VARIANTS = [
     ("owner 2%, at least 8 entries of every parameter", {"owner": 0.02, "min_k": 8}),
     ("owner 2%, at least 16 entries of every parameter", {"owner": 0.02, "min_k": 16}),
     ("owner 2%, fewer than 100 entries dense (norms, some biases)", {"owner": 0.02, "dense_params": "lt:100"}),
+    ("owner 2%, min_compression_rate 40 (dense below 40 x pair bytes)", {"owner": 0.02, "dense_params": "rate:40"}),
 ]
 
 
