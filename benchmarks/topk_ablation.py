@@ -1,6 +1,7 @@
 """Which part of pycomm's top-k costs accuracy under the user's momentum SGD: an ablation.
 
     python benchmarks/topk_ablation.py --lr 0.2      # prints one line per variant (accuracy per seed)
+    python benchmarks/topk_ablation.py --task lm --only 0,4,10,11,13,16,17   # tinylm (or --task cnn)
 
 One process simulates `--world` data-parallel ranks (each computes the gradient of its
 share of the global batch; the same data order and seed for every row) and combines the
@@ -21,6 +22,16 @@ in benchmarks/compression_digits.py. Variants (one factor at a time):
   ``dgc-compensated`` (DGC in the hook, the averaged sparse velocity handed to the
   optimizer as ``v_t - beta v_{t-1}`` so the user's momentum-``beta`` SGD steps by exactly
   ``v_t``: see docs/compression.md).
+
+* which parameters are compressed: ``dense_params`` averages some exactly (``1d``: biases
+  and norms; ``embed``: token and position embeddings; ``lt:N``: fewer than N entries);
+  ``min_k``: at least that many entries of every parameter;
+* schedule: ``warmup`` steps of DGC's sparsity warm-up (density falls exponentially from
+  1 to ``density``); ``density``: another density for the row.
+
+``--task`` picks the model and data: ``mlp`` (the issue's 0.56M MLP, default), ``cnn``
+and ``lm`` (pycomm.train's digits-cnn and tinylm), the tasks of
+benchmarks/compression_digits.py.
 
 Selection is exact in every row: pycomm's hook selects exactly below 2^20 elements per
 parameter (hooks._APPROX_MIN_NUMEL), which covers every parameter of these models; the
@@ -69,8 +80,12 @@ def _top(x, k):
 class Exchange:
     """One variant of the exchange: `__call__(grads) -> averaged update` (flat float64)."""
 
-    def __init__(self, sizes, world, density, scope="param", owner=None, momentum="ef-grad", beta=0.9):
+    def __init__(self, sizes, world, density, scope="param", owner=None, momentum="ef-grad", beta=0.9,
+                 dense_params=(), warmup=0, min_k=1):
         self.sizes, self.world, self.density = sizes, world, density
+        self.dense_params = set(dense_params)  # parameter numbers averaged exactly (not compressed)
+        self.min_k = min_k  # at least min(n, min_k) entries of every parameter
+        self.warmup = warmup  # DGC's sparsity warm-up: density rises from 1 to `density` over these steps
         self.scope, self.owner, self.momentum, self.beta = scope, owner, momentum, beta
         n = sum(sizes)
         self.e = [torch.zeros(n, dtype=torch.float64) for _ in range(world)]
@@ -83,13 +98,26 @@ class Exchange:
         if self.scope == "global":
             return [(0, sum(self.sizes))]
         out, at = [], 0
-        for s in self.sizes:
-            out.append((at, s))
+        for i, s in enumerate(self.sizes):
+            if i not in self.dense_params:
+                out.append((at, s))
             at += s
         return out
 
+    def _density(self):
+        if self.steps >= self.warmup:
+            return self.density
+        # exponential: 1, ..., density over `warmup` steps (DGC's 75%, 93.75%, ... in steps)
+        return self.density ** ((self.steps + 1) / (self.warmup + 1))
+
     def __call__(self, grads):
         total = torch.zeros_like(grads[0])
+        dense_mask = torch.ones_like(grads[0], dtype=torch.bool)
+        for off, n in self._segments():
+            dense_mask[off: off + n] = False
+        for g in grads:
+            total[dense_mask] += g[dense_mask]
+        density = self._density()
         dgc = self.momentum.startswith("dgc")
         for r, g in enumerate(grads):
             if dgc:
@@ -98,7 +126,7 @@ class Exchange:
             else:
                 x = self.e[r] + g
             for off, n in self._segments():
-                idx = _top(x[off: off + n], _count(n, self.density)) + off
+                idx = _top(x[off: off + n], max(_count(n, density), min(n, self.min_k))) + off
                 total[idx] += x[idx]
                 self.sent_pairs += idx.numel()
                 if dgc:
@@ -106,7 +134,7 @@ class Exchange:
                 x[idx] = 0.0
             self.e[r] = x
         if self.owner is not None:
-            kept = torch.zeros_like(total)
+            kept = total * dense_mask
             for off, n in self._segments():
                 bounds = _balanced(n, self.world)
                 for c in range(self.world):
@@ -115,7 +143,8 @@ class Exchange:
                         continue
                     piece = total[lo:hi]
                     nz = int((piece != 0).sum())
-                    k = nz if self.owner == 0 else min(nz, _count(hi - lo, self.owner))
+                    owner = self.owner if self.owner == 0 or self.steps >= self.warmup else min(1.0, 2 * density)
+                    k = nz if owner == 0 else min(nz, _count(hi - lo, owner))
                     idx = _top(piece, k) + lo if k else torch.zeros(0, dtype=torch.long)
                     kept[idx] = total[idx]
                     self.e[c][lo:hi] += total[lo:hi] - kept[lo:hi]  # the owner feeds back what it drops
@@ -129,24 +158,57 @@ class Exchange:
         return avg
 
 
-def train(args, variant, task_seed=0):
+def _make(args):
+    """(model, task) of --task: mlp (the issue's 0.56M MLP on digits), cnn (pycomm.train
+    digits-cnn), lm (pycomm.train tinylm, dropout 0.1); the benchmark's three tasks."""
     from pycomm.train.tasks import get_task
 
-    task = get_task("digits-mlp")
+    if args.task == "mlp":
+        return _mlp(args.seed), get_task("digits-mlp")
+    task = get_task({"cnn": "digits-cnn", "lm": "tinylm"}[args.task])
+    return task.make_model(args.seed), task
+
+
+def _dense_params(rule, named, density=0.01):
+    """Parameter numbers a variant averages exactly: "1d" (biases, norms), "embed"
+    (token and position embeddings), "lt:N" (fewer than N entries), "rate:R" (dense float32
+    bytes below R x the bytes of its top-k pairs, 4-byte index + 4-byte value: the rule of
+    TopKState's min_compression_rate), combined with "+"."""
+    out = set()
+    for part in (rule or "").split("+"):
+        for i, (name, p) in enumerate(named):
+            if part == "1d" and p.dim() == 1:
+                out.add(i)
+            elif part == "embed" and ("token" in name or "position" in name):
+                out.add(i)
+            elif part.startswith("lt:") and p.numel() < int(part[3:]):
+                out.add(i)
+            elif part.startswith("rate:") and 4 * p.numel() < float(part[5:]) * 8 * _count(p.numel(), density):
+                out.add(i)
+    return out
+
+
+def train(args, variant):
+    model, task = _make(args)
     x, y = task.x_train, task.y_train
-    model = _mlp(args.seed)
-    params = list(model.parameters())
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     sizes = [p.numel() for p in params]
     optim_momentum = 0.0 if variant.get("momentum") == "dgc" else args.momentum
     opt = torch.optim.SGD(params, lr=args.lr, momentum=optim_momentum)
-    exchange = None if variant.get("dense") else Exchange(sizes, args.world, args.density,
+    exchange = None if variant.get("dense") else Exchange(sizes, args.world, variant.get("density", args.density),
                                                           scope=variant.get("scope", "param"),
                                                           owner=variant.get("owner"),
                                                           momentum=variant.get("momentum", "ef-grad"),
-                                                          beta=args.momentum)
+                                                          beta=args.momentum,
+                                                          dense_params=_dense_params(variant.get("dense_params"), named,
+                                                                                      variant.get("density", args.density)),
+                                                          warmup=variant.get("warmup", 0),
+                                                          min_k=variant.get("min_k", 1))
     per_rank = args.global_batch // args.world
     per_epoch = x.shape[0] // args.global_batch
     step = 0
+    model.train()
     while step < args.steps:
         order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(args.seed * 1000 + step // per_epoch))
         for s in range(per_epoch):
@@ -156,7 +218,7 @@ def train(args, variant, task_seed=0):
             for r in range(args.world):
                 idx = order[s * args.global_batch + r * per_rank: s * args.global_batch + (r + 1) * per_rank]
                 model.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                task.loss(model(x[idx]), y[idx]).backward()
                 grads.append(torch.cat([p.grad.reshape(-1) for p in params]).double())
             avg = sum(grads) / args.world if exchange is None else exchange(grads)
             at = 0
@@ -165,9 +227,10 @@ def train(args, variant, task_seed=0):
                 at += p.numel()
             opt.step()
             step += 1
+    model.eval()
     with torch.no_grad():
-        acc = (model(task.x_test).argmax(1) == task.y_test).float().mean().item()
-    return acc
+        _, correct, count = task.score(model(task.x_test), task.y_test)
+    return correct / count
 
 
 VARIANTS = [
@@ -182,11 +245,25 @@ VARIANTS = [
     ("per-parameter, owner 1%, DGC compensated for the user's momentum",
      {"scope": "param", "owner": 0.01, "momentum": "dgc-compensated"}),
     ("per-parameter, no owner step, DGC compensated", {"scope": "param", "momentum": "dgc-compensated"}),
+    # rows 10..: which parameters and what schedule (owners keep 2%, pycomm's default)
+    ("owner 2%, biases and norms (1-D) dense", {"owner": 0.02, "dense_params": "1d"}),
+    ("owner 2%, embeddings dense", {"owner": 0.02, "dense_params": "embed"}),
+    ("owner 2%, 1-D and embeddings dense", {"owner": 0.02, "dense_params": "1d+embed"}),
+    ("owner 2%, sparsity warm-up 50 steps", {"owner": 0.02, "warmup": 50}),
+    ("owner 2%, sparsity warm-up 100 steps", {"owner": 0.02, "warmup": 100}),
+    ("owner 2%, 1-D dense, warm-up 100 steps", {"owner": 0.02, "dense_params": "1d", "warmup": 100}),
+    ("owner 2%, density 10%", {"owner": 0.2, "density": 0.1}),
+    ("no owner step, dgc (plain SGD in the optimizer)", {"momentum": "dgc"}),
+    ("owner 2%, at least 8 entries of every parameter", {"owner": 0.02, "min_k": 8}),
+    ("owner 2%, at least 16 entries of every parameter", {"owner": 0.02, "min_k": 16}),
+    ("owner 2%, fewer than 100 entries dense (norms, some biases)", {"owner": 0.02, "dense_params": "lt:100"}),
+    ("owner 2%, min_compression_rate 40 (dense below 40 x pair bytes)", {"owner": 0.02, "dense_params": "rate:40"}),
 ]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="mlp", choices=("mlp", "cnn", "lm"))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=0.05)

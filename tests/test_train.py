@@ -393,6 +393,21 @@ def test_tasks_are_deterministic():
         tasks.get_task("imagenet")
 
 
+def test_tinylm_has_no_buffers_and_stays_causal():
+    # DDP broadcasts every buffer from rank 0 at every step (broadcast_buffers=True): a
+    # constant mask kept as a buffer cost 4 KiB per step, more than top-k 1%'s gradient pairs
+    lm = tasks.get_task("tinylm")
+    model = lm.make_model(0).eval()
+    assert list(model.buffers()) == []
+    tokens = lm.x_test[:2].clone()
+    with torch.no_grad():
+        before = model(tokens)
+        tokens[:, 20:] = (tokens[:, 20:] + 1) % int(lm.y_train.max() + 1)
+        after = model(tokens)
+    assert torch.equal(before[:, :20], after[:, :20])  # earlier positions do not see later tokens
+    assert not torch.allclose(before[:, 20:], after[:, 20:])
+
+
 def test_plot_runs(tmp_path):
     logs = []
     for name, scale in (("a", 1.0), ("b", 0.5)):

@@ -202,13 +202,15 @@ class TinyTransformerLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
         nn.init.normal_(self.position, std=0.02)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block),
-                             persistent=False)
+        # The causal mask is made in forward, not kept as a buffer: DDP (broadcast_buffers=True,
+        # its default) would send a buffer from rank 0 to every rank at every step
+        # (block x block float32: 4 KiB for 32 characters, more than top-k 1%'s gradient pairs).
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         hidden = self.token(tokens) + self.position[:length]
-        hidden = self.layers(hidden, mask=self.mask[:length, :length], is_causal=True)
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        hidden = self.layers(hidden, mask=mask, is_causal=True)
         return self.head(self.norm(hidden))
 
 
