@@ -742,9 +742,14 @@ void lostPeerFailsEveryStream() {
                  later->waitUntil(Clock::now() + std::chrono::seconds(10)) &&
                  fromTwo->waitUntil(Clock::now() + std::chrono::seconds(10));
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  expect(settled && recv->failed() && later->failed() && fromTwo->failed() && seconds < 5,
-         "every receive from the lost peer fails, within " + std::to_string(seconds) + " s: " + recv->error() +
-             " | " + fromTwo->error());
+  // Destroying rank 1's transport stops its I/O threads, and one that can still write
+  // may finish the message first (it did in a full test run, with the socket buffers
+  // grown by earlier tests): then the big receive completes, and its data must be whole.
+  // Either way nothing after it arrives, and nothing hangs.
+  const bool bigSettled = recv->failed() || (recv->completed() && received == big);
+  expect(settled && bigSettled && later->failed() && fromTwo->failed() && seconds < 5,
+         "every receive from the lost peer fails (the one in progress: fails, or completes intact), within " +
+             std::to_string(seconds) + " s: " + recv->error() + " | " + later->error() + " | " + fromTwo->error());
   auto after = transports[0]->isend(1, 4, &small, sizeof(small));
   after->waitUntil(Clock::now() + std::chrono::seconds(10));
   expect(after->failed(), "a later send to it fails: " + after->error());
