@@ -106,7 +106,7 @@ def _sleeps():
         return int(next(line for line in f if line.startswith("voluntary_ctxt_switches")).split()[1])
 
 
-def _late_peer(ctx, delay_s, short_s, shorts):
+def _late_peer(ctx, delay_s, short_s, busy_s, shorts):
     import torch.distributed as dist
 
     x = torch.ones(1000)
@@ -122,6 +122,19 @@ def _late_peer(ctx, delay_s, short_s, shorts):
         dist.all_reduce(y)
         short_sleeps.append(_sleeps() - sleeps)
         short_walls.append(time.monotonic() - wall)
+    # Rank 0 computes for busy_s (a spin, as a training step's compute): the rank that
+    # shares its CPU gets the CPU back only after rank 0's time slice, and should sleep
+    # rather than poll on.
+    busy_sleeps = []
+    for _ in range(shorts):
+        dist.barrier()
+        if ctx.rank == 0:
+            end = time.perf_counter() + busy_s
+            while time.perf_counter() < end:
+                pass
+        sleeps = _sleeps()
+        dist.all_reduce(y)
+        busy_sleeps.append(_sleeps() - sleeps)
     dist.barrier()
     if ctx.rank == 0:
         time.sleep(delay_s)
@@ -129,7 +142,7 @@ def _late_peer(ctx, delay_s, short_s, shorts):
     dist.all_reduce(x)
     return {"wall": time.monotonic() - wall, "cpu": time.process_time() - cpu,
             "ok": bool(torch.all(x == ctx.world_size ** 2)), "short_sleeps": sorted(short_sleeps),
-            "short_walls": sorted(short_walls)}
+            "short_walls": sorted(short_walls), "busy_sleeps": busy_sleeps}
 
 
 def test_waiting_ranks_sleep_when_oversubscribed():
@@ -137,9 +150,11 @@ def test_waiting_ranks_sleep_when_oversubscribed():
     while they wait, not spin (CPU time well under the wall time). Rank 0 arrives 1 ms
     late (a barrier's skew on a crowded host): the others must not sleep but poll with
     sched_yield, awake for its post (with 200 us of polling they slept, and waking 3
-    sleepers on 2 busy cores cost hundreds of us)."""
-    delay, short, shorts = 2.0, 0.001, 15
-    res = spawn_run(_late_peer, 4, args=(delay, short, shorts), env={"PYCOMM_TRANSPORT": "shm"},
+    sleepers on 2 busy cores cost hundreds of us). Rank 0 computes for 3 ms: the rank
+    that shares its CPU finds that a yield kept it off the CPU for a time slice, and
+    sleeps instead of polling for the 5 ms it would poll for a rank that is only late."""
+    delay, short, busy, shorts = 2.0, 0.001, 0.003, 15
+    res = spawn_run(_late_peer, 4, args=(delay, short, busy, shorts), env={"PYCOMM_TRANSPORT": "shm"},
                     make_ref=False, timeout_s=120, pg_timeout_s=30).check()
     for rank in (1, 2, 3):
         out = res.returns[rank]
@@ -151,6 +166,10 @@ def test_waiting_ranks_sleep_when_oversubscribed():
         assert out["short_walls"][shorts // 2] > short * 0.5, out
         if len(os.sched_getaffinity(0)) < 4:
             assert out["short_sleeps"][shorts // 2] == 0, f"rank {rank} slept in short waits: {out}"
+    if len(os.sched_getaffinity(0)) < 4:
+        # In most busy waits some rank (the one on rank 0's CPU) went to sleep.
+        slept = [sum(res.returns[rank]["busy_sleeps"][i] for rank in (1, 2, 3)) > 0 for i in range(shorts)]
+        assert sum(slept) > shorts // 2, {rank: res.returns[rank]["busy_sleeps"] for rank in (1, 2, 3)}
 
 
 def _cpu_now():

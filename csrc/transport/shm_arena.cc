@@ -131,17 +131,25 @@ std::string ShmArena::waitFor(int peer, Phase phase, uint64_t value, Clock::time
     // and a poller is awake when the peer posts: a futex wake-up on a crowded
     // host costs hundreds of us (4 ranks, 2 cores: 8 B after a barrier took
     // ~800 us with 200 us of polling, most of it waking the sleepers).
-    const auto yieldEnd = std::min<Clock::time_point>(
-        Clock::now() + std::chrono::microseconds(kYieldMicros), deadline);
+    // A yield that kept this rank off the core for kLongYieldMicros or more means
+    // something ran there for a whole time slice: the peer computing, or other
+    // jobs on the host. Then every further yield costs a slice too, while the futex
+    // wakes this rank when the peer posts: it goes to sleep at once.
+    auto before = Clock::now();
+    const auto yieldEnd =
+        std::min<Clock::time_point>(before + std::chrono::microseconds(kYieldMicros), deadline);
     int yields = 0;
-    do {
+    while (before < yieldEnd) {
       std::this_thread::yield();
       if (ready()) return "";
       if (++yields % kYieldsPerCheck == 0) {  // a peer's abort ends the wait at once
         std::string failure = peerFailure(peer, false);
         if (!failure.empty()) return failure;
       }
-    } while (Clock::now() < yieldEnd);
+      const auto now = Clock::now();
+      if (now - before >= std::chrono::microseconds(kLongYieldMicros)) break;
+      before = now;
+    }
   }
   auto lastCheck = Clock::now();
   for (;;) {

@@ -126,6 +126,8 @@ class ShmArena {
   // (hundreds of us), so a rank that arrives early is awake when its peers post;
   // short enough that a rank waiting for a peer's computation soon sleeps.
   static constexpr int kYieldMicros = 5000;
+  // A yield this long ends the polling (the core is busy with other work; see waitFor).
+  static constexpr int kLongYieldMicros = 500;
   // How many yields between checks of the peers' abort flags while polling.
   static constexpr int kYieldsPerCheck = 256;
   std::function<std::string(int)> namer_;
