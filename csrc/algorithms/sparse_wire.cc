@@ -17,17 +17,6 @@ void putValue(uint8_t* out, float v, DataType type) {
   }
 }
 
-float getValue(const uint8_t* in, DataType type) {
-  if (type == DataType::kFloat32) {
-    float v;
-    std::memcpy(&v, in, 4);
-    return v;
-  }
-  uint16_t h;
-  std::memcpy(&h, in, 2);
-  return type == DataType::kFloat16 ? halfToFloat(h) : bfloat16ToFloat(h);
-}
-
 }  // namespace
 
 size_t varintBytes(uint64_t v) {
@@ -66,7 +55,7 @@ const uint8_t* getVarint(const uint8_t* p, const uint8_t* end, uint64_t* v) {
 float wireRoundTrip(float v, DataType type) {
   uint8_t tmp[4];
   putValue(tmp, v, type);
-  return getValue(tmp, type);
+  return wireValue(tmp, type);
 }
 
 // Encodes pairs (chunk-relative ascending indices `rel`, values) of a chunk of
@@ -93,38 +82,6 @@ SparseMessage encodeSparse(const std::vector<uint32_t>& rel, const float* values
     for (size_t j = 0; j < rel.size(); ++j) putValue(out + j * valueBytes, values[j], type);
   }
   return m;
-}
-
-const char* accumulateSparse(const SparseHeader& h, const uint8_t* payload, size_t chunk, DataType type,
-                             float* acc) {
-  const size_t valueBytes = elementSize(type);
-  if (h.format == kDenseFormat) {
-    if (h.payloadBytes != chunk * valueBytes) return "dense size";
-    for (size_t i = 0; i < chunk; ++i) acc[i] += getValue(payload + i * valueBytes, type);
-    return nullptr;
-  }
-  if (h.format != kSparseFormat || h.nnz > chunk) return "format";
-  const uint64_t valuesAt = h.payloadBytes - static_cast<uint64_t>(h.nnz) * valueBytes;
-  if (static_cast<uint64_t>(h.nnz) * valueBytes > h.payloadBytes) return "size";
-  const uint8_t* p = payload;
-  const uint8_t* end = payload + valuesAt;
-  uint64_t index = 0;
-  for (uint32_t j = 0; j < h.nnz; ++j) {
-    uint64_t gap = 0;
-    int shift = 0;
-    while (true) {
-      if (p >= end || shift > 56) return "index";
-      const uint8_t byte = *p++;
-      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
-      if (!(byte & 0x80)) break;
-      shift += 7;
-    }
-    index = j == 0 ? gap : index + gap + 1;
-    if (index >= chunk) return "index out of range";
-    acc[index] += getValue(payload + valuesAt + j * valueBytes, type);
-  }
-  if (p != end) return "index bytes";
-  return nullptr;
 }
 
 // ---- COO rows

@@ -18,9 +18,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/cpu/half.h"
 
 namespace pycomm {
 
@@ -47,11 +49,61 @@ struct SparseMessage {
 SparseMessage encodeSparse(const std::vector<uint32_t>& rel, const float* values, size_t chunk,
                            DataType type);
 
-// Adds a message's values into acc[0 .. chunk). Returns nullptr, or what is wrong
-// with the message (entries before the fault may have been added). Never reads
-// payload past h.payloadBytes nor writes acc past chunk, whatever the header says.
-const char* accumulateSparse(const SparseHeader& h, const uint8_t* payload, size_t chunk, DataType type,
-                             float* acc);
+// A value in the wire value type, as a float.
+inline float wireValue(const uint8_t* in, DataType type) {
+  if (type == DataType::kFloat32) {
+    float v;
+    std::memcpy(&v, in, 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, in, 2);
+  return type == DataType::kFloat16 ? halfToFloat(h) : bfloat16ToFloat(h);
+}
+
+// Calls visit(index, value) for every entry of a message of a chunk of `chunk`
+// elements, in ascending index order (each index at most once; the dense form visits
+// every index). Returns nullptr, or what is wrong with the message (entries before the
+// fault may have been visited). Never reads payload past h.payloadBytes nor visits an
+// index >= chunk, whatever the header says.
+template <typename Visit>
+const char* visitSparse(const SparseHeader& h, const uint8_t* payload, size_t chunk, DataType type,
+                        Visit&& visit) {
+  const size_t valueBytes = elementSize(type);
+  if (h.format == kDenseFormat) {
+    if (h.payloadBytes != chunk * valueBytes) return "dense size";
+    for (size_t i = 0; i < chunk; ++i) visit(i, wireValue(payload + i * valueBytes, type));
+    return nullptr;
+  }
+  if (h.format != kSparseFormat || h.nnz > chunk) return "format";
+  const uint64_t valuesAt = h.payloadBytes - static_cast<uint64_t>(h.nnz) * valueBytes;
+  if (static_cast<uint64_t>(h.nnz) * valueBytes > h.payloadBytes) return "size";
+  const uint8_t* p = payload;
+  const uint8_t* end = payload + valuesAt;
+  uint64_t index = 0;
+  for (uint32_t j = 0; j < h.nnz; ++j) {
+    uint64_t gap = 0;
+    int shift = 0;
+    while (true) {
+      if (p >= end || shift > 56) return "index";
+      const uint8_t byte = *p++;
+      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) break;
+      shift += 7;
+    }
+    index = j == 0 ? gap : index + gap + 1;
+    if (index >= chunk) return "index out of range";
+    visit(static_cast<size_t>(index), wireValue(payload + valuesAt + j * valueBytes, type));
+  }
+  if (p != end) return "index bytes";
+  return nullptr;
+}
+
+// Adds a message's values into acc[0 .. chunk) (visitSparse's checks and guarantees).
+inline const char* accumulateSparse(const SparseHeader& h, const uint8_t* payload, size_t chunk,
+                                    DataType type, float* acc) {
+  return visitSparse(h, payload, chunk, type, [acc](size_t i, float v) { acc[i] += v; });
+}
 
 // The most payload bytes a well-formed message for `elements` elements can take
 // (the receiver refuses to allocate more).
