@@ -406,6 +406,16 @@ def test_tinylm_has_no_buffers_and_stays_causal():
         after = model(tokens)
     assert torch.equal(before[:, :20], after[:, :20])  # earlier positions do not see later tokens
     assert not torch.allclose(before[:, 20:], after[:, 20:])
+    # a checkpoint from when the mask was a buffer (key "mask") still loads strictly, also
+    # nested as a DDP-style "module." prefix would put it
+    old = dict(model.state_dict(), mask=torch.zeros(32, 32))
+    fresh = lm.make_model(1)
+    fresh.load_state_dict(old)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    wrapper = torch.nn.Sequential(lm.make_model(2))
+    wrapper.load_state_dict({f"0.{k}": v for k, v in old.items()})
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        fresh.load_state_dict(dict(old, other=torch.zeros(1)))  # anything else still fails
 
 
 def test_plot_runs(tmp_path):

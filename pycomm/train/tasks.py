@@ -206,6 +206,12 @@ class TinyTransformerLM(nn.Module):
         # its default) would send a buffer from rank 0 to every rank at every step
         # (block x block float32: 4 KiB for 32 characters, more than top-k 1%'s gradient pairs).
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written while the mask was a buffer carry it under "mask": a constant,
+        # dropped here, so they still load with strict=True.
+        state_dict.pop(prefix + "mask", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         hidden = self.token(tokens) + self.position[:length]
