@@ -48,13 +48,25 @@ def main():
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--port", type=int, default=29631)
     args = parser.parse_args()
+    if args.ranks < 1 or args.iters < 1:
+        parser.error("--ranks and --iters must be at least 1")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, args.port, args.iters, queue))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=600) for _ in procs)
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1))
+        except Exception:  # queue.Empty: a rank that died never reports
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a rank exited with {dead[0]}")
+    results.sort()
     for p in procs:
         p.join()
     print(f"{args.ranks} rank(s), {args.iters} calls: us per call "
