@@ -15,6 +15,7 @@ Tolerances (stated once):
   * error feedback: e_new == g + e - dequantize(packed) bit for bit.
 """
 import glob
+import math
 import os
 import shutil
 import subprocess
@@ -81,6 +82,49 @@ def test_topk_exact_no_ties_is_torch_set():
     idx, _ = K.topk(x, 0.02, exact=True)
     ref = torch.topk(x.abs(), idx.numel()).indices.sort().values
     assert torch.equal(idx, ref)
+
+
+def _mix32(h):
+    """kernels/cpu/quantize.h's quantizeMix32."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("n", [8192, 262144, 300001])
+def test_topk_exact_when_the_sampled_bound_misses(n):
+    """The exact top-k first collects every key at or above a bound from a strided sample
+    (topk.cc, kExactSampleMax = 4096 positions j * stride + mix32(j) % stride; the bound is
+    the r-th largest, r = ceil(2 m k / n) + 8). Here the sampled positions hold the largest
+    values, so fewer than k keys reach the bound and the histogram passes must take over."""
+    m = min(4096, n // 8)
+    stride = n // m
+    sampled = torch.tensor([j * stride + _mix32(j) % stride for j in range(m)])
+    g = torch.Generator().manual_seed(n)
+    x = torch.rand(n, generator=g) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    x[sampled] = 2.0 + torch.arange(m, dtype=torch.float32) / m
+    k = K.topk_count(n, 0.01)
+    r = min(m, math.ceil(2 * m * k / n) + 8)
+    bound = x[sampled].abs().sort(descending=True).values[r - 1]
+    assert int((x.abs() >= bound).sum()) < k, "the construction must defeat the sampled bound"
+    check_topk_exact(x, 0.01)
+    e = torch.zeros(n)
+    idx, val = K.topk_ef(x, e, 0.01, exact=True)  # the fused g + e path takes the same turn
+    ref_idx, ref_val = K.topk(x, 0.01, exact=True)
+    assert torch.equal(idx, ref_idx) and torch.equal(val, ref_val)
+    sent = torch.zeros(n)
+    sent[idx] = val
+    assert torch.equal(e, x - sent)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "zeros90", "pm1"])
+@pytest.mark.parametrize("n", [8191, 8192, 65537])
+def test_topk_exact_sampled_matches_torch(kind, n):
+    """Sizes around the sampled bound's threshold (8192), several distributions."""
+    check_topk_exact(gen(n, kind, seed=n), 0.01)
+    check_topk_exact(gen(n, kind, seed=n + 1), 1 / 16)
 
 
 @pytest.mark.parametrize("kind", ["pm1", "zeros995", "zeros90"])

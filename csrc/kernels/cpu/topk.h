@@ -7,9 +7,12 @@
 //
 //   exact:        exactly k = topkCount(count, density) elements, the k largest
 //                 |x|. Ties at the k-th magnitude are broken by lowest index.
-//                 Radix select: one histogram pass over the top 12 bits of |x|,
-//                 one pass collecting the elements in or above the k-th bin,
-//                 then an exact selection among those.
+//                 A bound from a strided sample of 4096 keys (about twice k of
+//                 them reach it), one pass collecting the elements at or above
+//                 it, then an exact selection among those. When fewer than k
+//                 reach the bound (rare), radix select: one histogram pass over
+//                 the top 12 bits of |x|, one pass collecting the elements in or
+//                 above the k-th bin, then an exact selection among those.
 //   approximate:  m elements with topkBandLow(k) <= m <= topkBandHigh(k), i.e.
 //                 |m - k| <= k / 10 (achieved density within +-10% of the asked
 //                 one, up to the rounding of k); all of them have |x| >= every
