@@ -730,9 +730,26 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
     (:meth:`TopKState.compressed`), whose residuals become zero: they are sent exactly."""
     from ._C import kernels
 
-    scratch = None if residual is not None else torch.zeros(max(n for _, _, n in segments))
     grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     element_bytes, value_bytes = buffer.element_size(), _WIRE_BYTES[value_dtype]
+    if not state.momentum and not grads.is_cuda:
+        # one kernel call for every sparsified parameter of the bucket (a call per
+        # parameter cost more in Python than the selection of the small ones)
+        e_all = residual if residual is not None else torch.zeros_like(grads)
+        offsets, lengths, exact, seeds, dense = [], [], [], [], []
+        for ordinal, offset, n in segments:
+            if not state.compressed(n, element_bytes, value_bytes):
+                e = e_all[offset: offset + n]
+                dense.append((base + offset, grads[offset: offset + n] + e))
+                e.zero_()
+                continue
+            offsets.append(offset)
+            lengths.append(n)
+            exact.append(state.exact or n < _APPROX_MIN_NUMEL)  # below it the exact kernel is as fast
+            seeds.append(_mix_seed(state.seed, rank, step, ordinal))
+        indices, values = kernels.topk_ef_segments(grads, e_all, offsets, lengths, state.density, exact, seeds, base)
+        return indices, values, dense
+    scratch = None if residual is not None else torch.zeros(max(n for _, _, n in segments))
     index_parts, value_parts, dense = [], [], []
     for ordinal, offset, n in segments:
         g = grads[offset: offset + n]

@@ -192,6 +192,43 @@ def test_topk_error_feedback(exact, n):
     assert torch.equal(e, v - sent)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_topk_ef_segments_is_topk_ef_per_segment(exact):
+    """One call over a bucket's parameters (the hooks' fast path) gives what a topk_ef call
+    per segment gives, indices shifted by base + offset, residuals bit for bit; gaps between
+    segments are left alone."""
+    layout = [(0, 10), (10, 5000), (5010, 1 << 18), (5010 + (1 << 18) + 7, 300)]  # 7-element gap
+    n = layout[-1][0] + layout[-1][1] + 3
+    g, e = gen(n, "heavy", seed=1), gen(n, seed=2) * 0.5
+    seeds = [11, 12, 13, 14]
+    flags = [exact, True, exact, False]
+    e_ref, idx_ref, val_ref = e.clone(), [], []
+    for (offset, length), seed, flag in zip(layout, seeds, flags):
+        i, v = K.topk_ef(g[offset: offset + length], e_ref[offset: offset + length], 0.01, exact=flag, seed=seed)
+        idx_ref.append(i + 1000 + offset)
+        val_ref.append(v)
+    e_got = e.clone()
+    idx, val = K.topk_ef_segments(g, e_got, [o for o, _ in layout], [m for _, m in layout], 0.01, flags, seeds,
+                                  base=1000)
+    assert torch.equal(idx, torch.cat(idx_ref)) and torch.equal(val, torch.cat(val_ref))
+    assert torch.equal(e_got, e_ref)
+    assert torch.equal(e_got[5010 + (1 << 18): 5010 + (1 << 18) + 7], e[5010 + (1 << 18): 5010 + (1 << 18) + 7])
+
+
+def test_topk_ef_segments_rejects_bad_layouts():
+    g, e = torch.zeros(100), torch.zeros(100)
+    with pytest.raises(ValueError, match="segment 1 .* after the previous one"):
+        K.topk_ef_segments(g, e, [0, 5], [10, 10], 0.1, [True, True], [0, 0])  # overlapping
+    with pytest.raises(ValueError, match="segment 0 .* must lie in"):
+        K.topk_ef_segments(g, e, [95], [10], 0.1, [True], [0])  # past the end
+    with pytest.raises(ValueError, match="one entry per segment"):
+        K.topk_ef_segments(g, e, [0], [10], 0.1, [True, False], [0])
+    with pytest.raises(ValueError, match="same number of elements"):
+        K.topk_ef_segments(g, torch.zeros(99), [0], [10], 0.1, [True], [0])
+    with pytest.raises(TypeError, match="float32"):
+        K.topk_ef_segments(g.double(), e, [0], [10], 0.1, [True], [0])
+
+
 # ------------------------------------------------------------------------- quantize
 
 

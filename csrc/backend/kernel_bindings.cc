@@ -157,6 +157,65 @@ std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, do
   });
 }
 
+// topk_ef over several segments of g and e in one call (a DDP bucket's parameters):
+// segment i is [offsets[i], offsets[i] + lengths[i]), selected exactly when exact[i],
+// with seeds[i]. Returns the concatenated indices (each + base + offsets[i]) and
+// values, segment after segment. CPU float32 only.
+std::tuple<at::Tensor, at::Tensor> topkEfSegments(const at::Tensor& g, at::Tensor& e,
+                                                  const std::vector<int64_t>& offsets,
+                                                  const std::vector<int64_t>& lengths, double density,
+                                                  const std::vector<bool>& exact,
+                                                  const std::vector<int64_t>& seeds, int64_t base) {
+  checkNamed("topk_ef_segments", "g", g, at::kFloat);
+  checkNamed("topk_ef_segments", "e", e, at::kFloat);
+  if (g.numel() != e.numel())
+    usageError("pycomm topk_ef_segments: g and e must have the same number of elements (got " +
+               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
+  if (g.is_same(e)) usageError("pycomm topk_ef_segments: g and e must be different tensors");
+  const size_t count = offsets.size();
+  if (lengths.size() != count || exact.size() != count || seeds.size() != count)
+    usageError("pycomm topk_ef_segments: offsets, lengths, exact and seeds must have one entry per segment");
+  if (base < 0) usageError("pycomm topk_ef_segments: base must be >= 0");
+  int64_t end = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (offsets[i] < end || lengths[i] < 0 || offsets[i] + lengths[i] > g.numel())
+      usageError("pycomm topk_ef_segments: segment " + std::to_string(i) + " [" + std::to_string(offsets[i]) +
+                 ", +" + std::to_string(lengths[i]) + ") must lie in [0, " + std::to_string(g.numel()) +
+                 ") after the previous one");
+    checkSeed("topk_ef_segments", seeds[i]);
+    end = offsets[i] + lengths[i];
+  }
+  return translate([&] {
+    std::vector<size_t> ks(count);
+    size_t cap = 0;
+    for (size_t i = 0; i < count; ++i) {
+      ks[i] = topkCount("topk_ef_segments", static_cast<size_t>(lengths[i]), density);
+      cap += exact[i] ? ks[i] : topkBandHigh(ks[i]);
+    }
+    at::Tensor indices = at::empty({static_cast<int64_t>(cap)}, at::kLong);
+    at::Tensor values = at::empty({static_cast<int64_t>(cap)}, at::kFloat);
+    size_t at = 0;
+    {
+      py::gil_scoped_release release;
+      const float* gp = g.data_ptr<float>();
+      float* ep = e.data_ptr<float>();
+      int64_t* ip = indices.data_ptr<int64_t>();
+      float* vp = values.data_ptr<float>();
+      for (size_t i = 0; i < count; ++i) {
+        const size_t n = static_cast<size_t>(lengths[i]);
+        // what is left of the output holds this segment's capacity: the earlier ones
+        // wrote at most theirs
+        const size_t m = topkErrorFeedback(gp + offsets[i], ep + offsets[i], n, ks[i], exact[i],
+                                           static_cast<uint64_t>(seeds[i]), ip + at, vp + at);
+        for (size_t j = at; j < at + m; ++j) ip[j] += base + offsets[i];
+        at += m;
+      }
+    }
+    const int64_t used = static_cast<int64_t>(at);
+    return std::make_tuple(indices.narrow(0, 0, used), values.narrow(0, 0, used));
+  });
+}
+
 // The checked options of a quantize call (bits, block, rounding, seed).
 QuantizeOptions quantizeOptions(const char* op, int64_t bits, int64_t block, bool stochastic,
                                 int64_t seed) {
@@ -379,6 +438,10 @@ void registerKernelBindings(py::module_& m) {
   k.def("topk_ef", &topkEf, py::arg("g"), py::arg("e"), py::arg("density"),
         py::arg("exact") = true, py::arg("seed") = 0,
         "top-k of g + e; e <- g + e with the selected entries zeroed (in place)");
+  k.def("topk_ef_segments", &topkEfSegments, py::arg("g"), py::arg("e"), py::arg("offsets"),
+        py::arg("lengths"), py::arg("density"), py::arg("exact"), py::arg("seeds"), py::arg("base") = 0,
+        "topk_ef over ascending, disjoint segments of g and e in one call (CPU): the "
+        "concatenated (indices + base + offset, values), segment after segment");
   k.def(
       "topk_count",
       [](int64_t count, double density) {
