@@ -83,11 +83,11 @@ def reduce_rows(nbytes, isas, iters):
             for isa in isas:
                 K.set_cpu_isa(isa)
                 dst.copy_(a)
-                K.reduce(dst, b, op)
+                K.reduce(dst, b, op, out=dst)  # dst = op(dst, src), in place
                 assert torch.equal(dst, want), (dtype, op, isa)
                 # Timed on the running result: values stay finite for these ops over a few
                 # iterations, and the kernel's speed does not depend on them.
-                t = median_time(lambda: K.reduce(dst, b, op), iters=iters)
+                t = median_time(lambda: K.reduce(dst, b, op, out=dst), iters=iters)
                 cells.append(nbytes / t / 1e9)
             rows.append((str(dtype).replace("torch.", ""), op, cells))
     K.set_cpu_isa("auto")

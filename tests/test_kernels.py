@@ -501,3 +501,16 @@ def test_cuda_kernels_compile_with_nvcc(name):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "warning" not in proc.stderr.lower(), proc.stderr
+
+
+def test_kernels_cpu_benchmark_reduce_checks_pass():
+    """benchmarks/kernels_cpu.py's reduce section checks every kernel against torch before
+    timing it (it once called reduce as if it worked in place, and every check failed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernels_cpu", os.path.join(ROOT, "benchmarks", "kernels_cpu.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.reduce_rows(4096, K.cpu_isas(), iters=1)
+    assert len(rows) == sum(len(ops) for _, ops in bench.REDUCE_CASES)
+    assert all(len(cells) == len(K.cpu_isas()) and min(cells) > 0 for _, _, cells in rows)
