@@ -1,7 +1,10 @@
 """Multi-process harness for the backend tests (not a test module).
 
 ``spawn_run(fn, world_size, backend=...)`` starts ``world_size`` processes
-with the multiprocessing *spawn* context. Each child
+with the multiprocessing *forkserver* context, whose server has imported torch once
+(``PYCOMM_TEST_START_METHOD=spawn`` starts every rank from a fresh interpreter
+instead). Each child gets the parent's environment as it is at the call (as a spawned
+one would), then ``env``, and
 
 * optionally imports ``pycomm`` (registers the "pycomm" backend),
 * creates the default process group with ``backend`` over a fresh rendezvous
@@ -26,8 +29,9 @@ in children come back with their tracebacks; a child that dies without
 reporting (segfault, abort) is reported with its exit code.
 
 ``fn`` must be a module-level function (it is pickled by reference), and
-anything it returns must be picklable. Spawning processes that import torch
-costs a few seconds each, so tests group many checks into one run.
+anything it returns must be picklable. A rank started from a fresh interpreter spends
+about 2 s of CPU importing torch; forked from the server it starts at once. Tests still
+group many checks into one run: each run also pays the process group set-up.
 """
 
 from __future__ import annotations
@@ -58,6 +62,17 @@ GRACE_AFTER_ERROR_S = 20.0
 EXIT_GRACE_S = 20.0
 # A message on a rank's pipe: its length, then the pickle.
 _HEADER = struct.Struct("!Q")
+# How ranks start: "forkserver" (the server imports these once; each rank is a fork of it)
+# or "spawn" (a fresh interpreter per rank).
+START_METHOD = os.environ.get("PYCOMM_TEST_START_METHOD", "forkserver")
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context():
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
 # The most the parent reads from one pipe before it looks at the clock again.
 _READ_BURST = 64 << 20
 
@@ -205,7 +220,8 @@ def _netns_child(netns, blob, rank, world_size, backend, conn, *rest):
 def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_timeout_s, make_ref, env,
            master_addr="127.0.0.1", pre_init=None):
     q = _Sender(conn)
-    os.environ.update(env)
+    os.environ.clear()
+    os.environ.update(env)  # the parent's environment at the call, with the run's on top
     dist = None
     try:
         if pre_init is not None:
@@ -329,10 +345,12 @@ def spawn_run(
     init_process_group, e.g. to set a resource limit on one rank. ``exit_timeout_s``:
     how long the ranks that finished get, together, to leave the interpreter (many
     ranks on few cores need more than the default)."""
-    mp = multiprocessing.get_context("spawn")
+    mp = _context()
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
     port = free_port() if init in ("tcp", "env") else 0
-    env = {k: str(v) for k, v in (env or {}).items()}
+    # the parent's environment now, then the run's: a forked rank would otherwise see the
+    # environment the fork server started with
+    env = dict(os.environ, **{k: str(v) for k, v in (env or {}).items()})
     procs, receivers = [], []
     start = time.monotonic()
     for rank in range(world_size):

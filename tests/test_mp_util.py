@@ -93,3 +93,23 @@ def test_rank_killed_while_sending_does_not_hang_the_parent():
     assert "rank 1 died with exit code -9" in message and "sending a big report" in message, message
     assert "while sending a message" in message, message
     assert res["elapsed_s"] < HARNESS_TIMEOUT_S, res
+
+
+def _environment(ctx):
+    return {k: os.environ.get(k) for k in ("PYCOMM_TEST_SET_LATER", "PYCOMM_TEST_REMOVED_LATER", "PYCOMM_TEST_RUN")}
+
+
+def test_ranks_see_the_parents_environment_at_the_call(monkeypatch):
+    """Forked from a server started earlier, a rank would see the environment the server
+    started with; spawn_run hands it the parent's as it is at the call, then the run's env."""
+    from mp_util import run_multiprocess
+
+    monkeypatch.setenv("PYCOMM_TEST_REMOVED_LATER", "1")
+    run_multiprocess(_environment, 1, make_ref=False)  # starts the fork server (if not yet)
+    monkeypatch.setenv("PYCOMM_TEST_SET_LATER", "yes")
+    monkeypatch.delenv("PYCOMM_TEST_REMOVED_LATER")
+    monkeypatch.setenv("PYCOMM_TEST_RUN", "parent")
+    returns = run_multiprocess(_environment, 2, make_ref=False, env={"PYCOMM_TEST_RUN": "run"})
+    for rank in range(2):
+        assert returns[rank] == {"PYCOMM_TEST_SET_LATER": "yes", "PYCOMM_TEST_REMOVED_LATER": None,
+                                     "PYCOMM_TEST_RUN": "run"}, rank
