@@ -1,5 +1,6 @@
 """torch's own parallelism engines on pycomm, on CPU (issue #12: drop-in where gloo
-works): FSDP2 (`fully_shard` over a 1-D DeviceMesh), DTensor tensor parallel
+works): FSDP2 (`fully_shard` over a 1-D DeviceMesh; also built on the meta device and
+loaded from rank 0's state dict), DTensor tensor parallel
 (`parallelize_module` with colwise/rowwise plans), `torch.distributed.pipelining`
 (GPipe and 1F1B over pycomm's send/recv) and a 2-D mesh (data parallel x tensor
 parallel on 4 ranks). Each trains a few steps and must equal a single-process
@@ -57,15 +58,28 @@ def _full(state):
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
 
 
-def _fsdp(ctx, rows_per_rank=4, divide_factor=None):
+def _fsdp(ctx, rows_per_rank=4, divide_factor=None, meta=False):
+    """meta: the model is made on the meta device, sharded, materialised with to_empty and
+    loaded from rank 0's full state dict (torch.distributed.checkpoint's
+    broadcast_from_rank0), as one starts a model too large for one rank's memory."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (ctx.world_size,))
-    model = _Mlp()
+    if meta:
+        with torch.device("meta"):
+            model = _Mlp()
+    else:
+        model = _Mlp()
     fully_shard(model.up, mesh=mesh)
     fully_shard(model.down, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if meta:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device="cpu")
+        full = _Mlp().state_dict() if ctx.rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if divide_factor is not None:
         for module in (model.up, model.down, model):  # each FSDP module's own parameter group
             module.set_gradient_divide_factor(divide_factor)
@@ -181,6 +195,8 @@ def engines_worker(ctx, names):
     for name in names:
         if name == "fsdp":
             out[name] = _fsdp(ctx)
+        elif name == "fsdp-meta":
+            out[name] = _fsdp(ctx, meta=True)
         elif name == "fsdp-divide":
             # A gradient divide factor other than the world size: FSDP2 then
             # reduce-scatters with PREMUL_SUM(1 / factor), which gloo rejects.
@@ -229,7 +245,7 @@ def _check(rets, names):
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_fsdp2_tensor_parallel_and_pipelining_on_two_ranks(transport):
-    names = ["premul", "fsdp", "fsdp-divide", "tp", "gpipe", "1f1b"]
+    names = ["premul", "fsdp", "fsdp-meta", "fsdp-divide", "tp", "gpipe", "1f1b"]
     rets = spawn_run(engines_worker, 2, args=(names,), make_ref=False, timeout_s=300, pg_timeout_s=60,
                      env={"PYCOMM_TRANSPORT": transport, "OMP_NUM_THREADS": "1"}).check().returns
     _check([rets[r] for r in range(2)], names)
