@@ -60,6 +60,21 @@ struct Hits {
 
 constexpr size_t kScanChunk = 64;
 
+// The elements from `base` on, one at a time (what is left after the whole chunks).
+template <bool Sum>
+PYCOMM_TOPK_INLINE void collectTail(const float* x, float* e, size_t base, size_t n, int32_t low, Hits& hits) {
+  for (; base < n; ++base) {
+    float v;
+    if constexpr (Sum) {
+      v = x[base] + e[base];
+      e[base] = v;
+    } else {
+      v = x[base];
+    }
+    if (keyOf(v) >= low) hits.push(base, v);
+  }
+}
+
 // Appends every element with key >= low. With Sum, the element is g[i] + e[i]
 // and is also stored into e[i] (the error-feedback pass).
 template <bool Sum>
@@ -83,16 +98,7 @@ PYCOMM_TOPK_INLINE void collectBody(const float* __restrict x, float* __restrict
         if (keyOf(src[j]) >= low) hits.push(base + j, src[j]);
     }
   }
-  for (; base < n; ++base) {
-    float v;
-    if constexpr (Sum) {
-      v = x[base] + e[base];
-      e[base] = v;
-    } else {
-      v = x[base];
-    }
-    if (keyOf(v) >= low) hits.push(base, v);
-  }
+  collectTail<Sum>(x, e, base, n, low, hits);
 }
 
 void collectBaseline(const float* x, float* e, size_t n, int32_t low, Hits& hits) {
@@ -130,16 +136,7 @@ __attribute__((target("avx2"))) PYCOMM_TOPK_INLINE void collectMaskBody(const fl
       mask &= mask - 1;
     }
   }
-  for (; base < n; ++base) {
-    float v;
-    if constexpr (Sum) {
-      v = x[base] + e[base];
-      e[base] = v;
-    } else {
-      v = x[base];
-    }
-    if (keyOf(v) >= low) hits.push(base, v);
-  }
+  collectTail<Sum>(x, e, base, n, low, hits);
 }
 
 __attribute__((target("avx2"))) void collectAvx2(const float* x, float* e, size_t n, int32_t low,
