@@ -44,7 +44,8 @@ ASAN_ENV = LD_PRELOAD="$$($(CXX_ASAN) -print-file-name=libasan.so) $$($(CXX_ASAN
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$(ASAN_DIR)/logs/asan \
 	UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1:log_path=$(ASAN_DIR)/logs/ubsan \
 	PYCOMM_SANITIZER_LOGS=$(ASAN_DIR)/logs PYCOMM_TEST_SANITIZE=$(SANITIZE) \
-	PYCOMM_TEST_BUILD_DIR=$(ASAN_DIR)/cpp PYTHONPATH=$(ASAN_DIR)/pkg PYTHONSAFEPATH=1
+	PYCOMM_TEST_BUILD_DIR=$(ASAN_DIR)/cpp PYTHONPATH=$(ASAN_DIR)/pkg PYTHONSAFEPATH=1 \
+	PYCOMM_TEST_START_METHOD=spawn
 # Everything that exercises failure paths: killed and silent ranks, usage errors,
 # runtime errors, the fuzz targets, the TCP transport and bootstrap alone (C++), the
 # shared-memory arena's failure cases, the algorithms over loopback. Left out: the

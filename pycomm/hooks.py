@@ -85,6 +85,8 @@ _EXCHANGES = ("auto", "allgather")
 # fast as the sampled-threshold kernel up to 2^23 elements (topk_ef, one thread, 1%: 2^20
 # 0.86 against 1.60 ms, 2^23 11.8 against 13.2 ms; measured on this machine, 2026-11-23).
 _APPROX_MIN_NUMEL = 1 << 23
+# CUDA tensors keep the earlier threshold: the CUDA kernels were not measured for this.
+_APPROX_MIN_NUMEL_CUDA = 1 << 20
 # TopKState(schedule=...): "bucket" starts each bucket's sparse all-reduce as DDP hands the
 # bucket over; "step" encodes each bucket as it comes and sends the whole step in one.
 _SCHEDULES = ("bucket", "step")
@@ -763,7 +765,8 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
                 g.zero_()  # every entry is sent: momentum factor masking clears the whole velocity
             continue
         seed = _mix_seed(state.seed, rank, step, ordinal)
-        exact = state.exact or n < _APPROX_MIN_NUMEL  # below it the exact kernel is as fast
+        limit = _APPROX_MIN_NUMEL_CUDA if g.is_cuda else _APPROX_MIN_NUMEL
+        exact = state.exact or n < limit  # below it the exact kernel is as fast
         indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
         if state.momentum:
             g[indices] = 0.0  # momentum factor masking

@@ -4,7 +4,10 @@
 with the multiprocessing *forkserver* context, whose server has imported torch once
 (``PYCOMM_TEST_START_METHOD=spawn`` starts every rank from a fresh interpreter
 instead). Each child gets the parent's environment as it is at the call (as a spawned
-one would), then ``env``, and
+one would), then ``env``. A run with a ``pre_init``, or whose env sets a variable that
+acts only when a library loads (LD_*, PYTHON*, OMP_* but OMP_NUM_THREADS, ...), is
+spawned; so are runs that ask for it (``start_method="spawn"``): a forked rank leaves
+through os._exit, without atexit handlers or C++ static destructors. Each child
 
 * optionally imports ``pycomm`` (registers the "pycomm" backend),
 * creates the default process group with ``backend`` over a fresh rendezvous
@@ -66,11 +69,28 @@ _HEADER = struct.Struct("!Q")
 # or "spawn" (a fresh interpreter per rank).
 START_METHOD = os.environ.get("PYCOMM_TEST_START_METHOD", "forkserver")
 _PRELOAD = ["torch", "torch.distributed"]
+# Variables that act only when a library loads (torch and what it links are loaded in the
+# fork server already): a run that sets one starts its ranks with spawn. OMP_NUM_THREADS
+# is not among them: every rank calls torch.set_num_threads(1).
+_LOAD_TIME_PREFIXES = ("LD_", "PYTHON", "KMP_", "MKL_", "GOMP_", "TORCH_", "OMP_")
 
 
-def _context():
-    ctx = multiprocessing.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
+def _start_method(requested, env_keys, pre_init):
+    """spawn where a fork of the server would differ from a fresh interpreter: a ``pre_init``
+    (it runs before torch is imported), or load-time variables in the run's env. A forked
+    rank also leaves through os._exit (no atexit handlers, no C++ static destructors):
+    runs that must cover interpreter exit ask for spawn (test_collectives' 2-rank runs;
+    the sanitizer runs set PYCOMM_TEST_START_METHOD=spawn)."""
+    if requested is not None:
+        return requested
+    if pre_init is not None or any(k.startswith(_LOAD_TIME_PREFIXES) and k != "OMP_NUM_THREADS" for k in env_keys):
+        return "spawn"
+    return START_METHOD
+
+
+def _context(method):
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
     return ctx
 # The most the parent reads from one pipe before it looks at the clock again.
@@ -203,8 +223,10 @@ class WorkerContext:
 
 def _netns_child(netns, blob, rank, world_size, backend, conn, *rest):
     """Entry point of a rank that runs in network namespace ``netns``: enter it
-    before anything else (``fn`` and ``args`` arrive pickled so that their
-    modules, which may import torch, load only after setns)."""
+    before ``fn``'s module is imported (``fn`` and ``args`` arrive pickled and are
+    loaded after setns). torch and pycomm are loaded before (netns_util imports
+    pycomm.netns; a forked rank has them from the server); neither opens a socket at
+    import."""
     try:
         from netns_util import enter_netns
 
@@ -331,6 +353,7 @@ def spawn_run(
     rank_env: list | None = None,
     pre_init: Callable | None = None,
     exit_timeout_s: float = 10.0,
+    start_method: str | None = None,
 ) -> RunResult:
     """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
     longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
@@ -344,8 +367,10 @@ def spawn_run(
     ``pre_init(rank)`` (a module-level function) runs in each rank before
     init_process_group, e.g. to set a resource limit on one rank. ``exit_timeout_s``:
     how long the ranks that finished get, together, to leave the interpreter (many
-    ranks on few cores need more than the default)."""
-    mp = _context()
+    ranks on few cores need more than the default). ``start_method``: "spawn" or
+    "forkserver" (default: see _start_method)."""
+    keys = set(env or {}) | {k for extra in (rank_env or []) for k in extra}
+    mp = _context(_start_method(start_method, keys, pre_init))
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
     port = free_port() if init in ("tcp", "env") else 0
     # the parent's environment now, then the run's: a forked rank would otherwise see the

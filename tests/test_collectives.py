@@ -1006,8 +1006,11 @@ def collectives_worker(ctx, sections, full):
 def collectives_run(request):
     w, transport = request.param
     sections = list(SECTIONS) if w < 4 else SECTIONS_W4
+    # the 2-rank runs start fresh interpreters: a forked rank leaves through os._exit, and
+    # every collective's state should also be seen through a real interpreter exit
     res = spawn_run(collectives_worker, w, backend=BACKEND, args=(sections, w < 4),
-                    timeout_s=240, pg_timeout_s=30, env={"PYCOMM_TRANSPORT": transport})
+                    timeout_s=240, pg_timeout_s=30, env={"PYCOMM_TRANSPORT": transport},
+                    start_method="spawn" if w == 2 else None)
     return w, sections, res
 
 

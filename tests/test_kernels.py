@@ -221,6 +221,8 @@ def test_topk_ef_segments_rejects_bad_layouts():
         K.topk_ef_segments(g, e, [0, 5], [10, 10], 0.1, [True, True], [0, 0])  # overlapping
     with pytest.raises(ValueError, match="segment 0 .* must lie in"):
         K.topk_ef_segments(g, e, [95], [10], 0.1, [True], [0])  # past the end
+    with pytest.raises(ValueError, match="segment 0 .* must lie in"):
+        K.topk_ef_segments(g, e, [2**62], [2**62], 0.1, [True], [0])  # offset + length overflows int64
     with pytest.raises(ValueError, match="one entry per segment"):
         K.topk_ef_segments(g, e, [0], [10], 0.1, [True, False], [0])
     with pytest.raises(ValueError, match="same number of elements"):

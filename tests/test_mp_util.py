@@ -113,3 +113,14 @@ def test_ranks_see_the_parents_environment_at_the_call(monkeypatch):
     for rank in range(2):
         assert returns[rank] == {"PYCOMM_TEST_SET_LATER": "yes", "PYCOMM_TEST_REMOVED_LATER": None,
                                      "PYCOMM_TEST_RUN": "run"}, rank
+
+
+def test_start_method_choice():
+    """Fork-server ranks unless a fork would differ from a fresh interpreter."""
+    from mp_util import START_METHOD, _start_method
+
+    assert _start_method(None, {"PYCOMM_TRANSPORT", "OMP_NUM_THREADS"}, None) == START_METHOD
+    assert _start_method(None, {"LD_PRELOAD"}, None) == "spawn"
+    assert _start_method(None, {"OMP_PROC_BIND"}, None) == "spawn"
+    assert _start_method(None, set(), print) == "spawn"  # pre_init runs before torch is imported
+    assert _start_method("forkserver", {"LD_PRELOAD"}, None) == "forkserver"  # asked for

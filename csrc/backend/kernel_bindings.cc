@@ -178,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> topkEfSegments(const at::Tensor& g, at::Tenso
   if (base < 0) usageError("pycomm topk_ef_segments: base must be >= 0");
   int64_t end = 0;
   for (size_t i = 0; i < count; ++i) {
-    if (offsets[i] < end || lengths[i] < 0 || offsets[i] + lengths[i] > g.numel())
+    if (offsets[i] < end || lengths[i] < 0 || offsets[i] > g.numel() || lengths[i] > g.numel() - offsets[i])
       usageError("pycomm topk_ef_segments: segment " + std::to_string(i) + " [" + std::to_string(offsets[i]) +
                  ", +" + std::to_string(lengths[i]) + ") must lie in [0, " + std::to_string(g.numel()) +
                  ") after the previous one");
