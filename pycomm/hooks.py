@@ -734,44 +734,39 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
 
     grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     element_bytes, value_bytes = buffer.element_size(), _WIRE_BYTES[value_dtype]
-    if not state.momentum and not grads.is_cuda:
-        # one kernel call for every sparsified parameter of the bucket (a call per
-        # parameter cost more in Python than the selection of the small ones)
-        e_all = residual if residual is not None else torch.zeros_like(grads)
-        offsets, lengths, exact, seeds, dense = [], [], [], [], []
-        for ordinal, offset, n in segments:
-            if not state.compressed(n, element_bytes, value_bytes):
-                e = e_all[offset: offset + n]
-                dense.append((base + offset, grads[offset: offset + n] + e))
-                e.zero_()
-                continue
-            offsets.append(offset)
-            lengths.append(n)
-            exact.append(state.exact or n < _APPROX_MIN_NUMEL)  # below it the exact kernel is as fast
-            seeds.append(_mix_seed(state.seed, rank, step, ordinal))
-        indices, values = kernels.topk_ef_segments(grads, e_all, offsets, lengths, state.density, exact, seeds, base)
-        return indices, values, dense
-    scratch = None if residual is not None else torch.zeros(max(n for _, _, n in segments))
-    index_parts, value_parts, dense = [], [], []
+    e_all = residual if residual is not None else torch.zeros_like(grads)
+    # Without momentum, on the CPU, every sparsified parameter of the bucket goes through one
+    # kernel call (a call per parameter cost more in Python than the selection of the small
+    # ones); with momentum the kernel reads each parameter's velocity instead.
+    one_call = not state.momentum and not grads.is_cuda
+    limit = _APPROX_MIN_NUMEL_CUDA if grads.is_cuda else _APPROX_MIN_NUMEL  # below it exact is as fast
+    picked, index_parts, value_parts, dense = [], [], [], []
     for ordinal, offset, n in segments:
+        compressed = state.compressed(n, element_bytes, value_bytes)
+        seed = _mix_seed(state.seed, rank, step, ordinal)
+        exact = state.exact or n < limit
+        if compressed and one_call:
+            picked.append((offset, n, exact, seed))
+            continue
         g = grads[offset: offset + n]
         if state.momentum:
             g = state._velocity(ordinal, g, state.momentum)
-        e = residual[offset: offset + n] if residual is not None else scratch[:n].zero_()
-        if not state.compressed(n, element_bytes, value_bytes):
+        e = e_all[offset: offset + n]
+        if not compressed:
             dense.append((base + offset, g + e))
             e.zero_()
             if state.momentum:
                 g.zero_()  # every entry is sent: momentum factor masking clears the whole velocity
             continue
-        seed = _mix_seed(state.seed, rank, step, ordinal)
-        limit = _APPROX_MIN_NUMEL_CUDA if g.is_cuda else _APPROX_MIN_NUMEL
-        exact = state.exact or n < limit  # below it the exact kernel is as fast
         indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
         if state.momentum:
             g[indices] = 0.0  # momentum factor masking
         index_parts.append(indices + (base + offset))
         value_parts.append(values)
+    if picked:
+        offsets, lengths, exacts, seeds = (list(column) for column in zip(*picked))
+        indices, values = kernels.topk_ef_segments(grads, e_all, offsets, lengths, state.density, exacts, seeds, base)
+        return indices, values, dense
     if not index_parts:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32), dense
     return torch.cat(index_parts), torch.cat(value_parts), dense
