@@ -93,6 +93,8 @@ def _context(method):
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
     return ctx
+
+
 # The most the parent reads from one pipe before it looks at the clock again.
 _READ_BURST = 64 << 20
 
