@@ -105,11 +105,13 @@ def test_ranks_see_the_parents_environment_at_the_call(monkeypatch):
     from mp_util import run_multiprocess
 
     monkeypatch.setenv("PYCOMM_TEST_REMOVED_LATER", "1")
-    run_multiprocess(_environment, 1, make_ref=False)  # starts the fork server (if not yet)
+    # the fork server whatever PYCOMM_TEST_START_METHOD says: that is the path under test
+    run_multiprocess(_environment, 1, make_ref=False, start_method="forkserver")  # starts it (if not yet)
     monkeypatch.setenv("PYCOMM_TEST_SET_LATER", "yes")
     monkeypatch.delenv("PYCOMM_TEST_REMOVED_LATER")
     monkeypatch.setenv("PYCOMM_TEST_RUN", "parent")
-    returns = run_multiprocess(_environment, 2, make_ref=False, env={"PYCOMM_TEST_RUN": "run"})
+    returns = run_multiprocess(_environment, 2, make_ref=False, env={"PYCOMM_TEST_RUN": "run"},
+                               start_method="forkserver")
     for rank in range(2):
         assert returns[rank] == {"PYCOMM_TEST_SET_LATER": "yes", "PYCOMM_TEST_REMOVED_LATER": None,
                                      "PYCOMM_TEST_RUN": "run"}, rank

@@ -123,13 +123,18 @@ py::dict topkInfo(const at::Tensor& x, double density, int64_t seed) {
   });
 }
 
+// g and e of a fused error-feedback kernel: as many elements, not the same tensor.
+void checkGradAndResidual(const char* op, const at::Tensor& g, const at::Tensor& e) {
+  if (g.numel() != e.numel())
+    usageError(std::string("pycomm ") + op + ": g and e must have the same number of elements (got " +
+               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
+  if (g.is_same(e)) usageError(std::string("pycomm ") + op + ": g and e must be different tensors");
+}
+
 std::tuple<at::Tensor, at::Tensor> topkEf(const at::Tensor& g, at::Tensor& e, double density,
                                           bool exact, int64_t seed) {
   checkSeed("topk_ef", seed);
-  if (g.numel() != e.numel())
-    usageError("pycomm topk_ef: g and e must have the same number of elements (got " +
-               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
-  if (g.is_same(e)) usageError("pycomm topk_ef: g and e must be different tensors");
+  checkGradAndResidual("topk_ef", g, e);
 #ifdef PYCOMM_WITH_CUDA
   if (g.is_cuda() || e.is_cuda())
     return translate([&] {
@@ -168,10 +173,7 @@ std::tuple<at::Tensor, at::Tensor> topkEfSegments(const at::Tensor& g, at::Tenso
                                                   const std::vector<int64_t>& seeds, int64_t base) {
   checkNamed("topk_ef_segments", "g", g, at::kFloat);
   checkNamed("topk_ef_segments", "e", e, at::kFloat);
-  if (g.numel() != e.numel())
-    usageError("pycomm topk_ef_segments: g and e must have the same number of elements (got " +
-               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
-  if (g.is_same(e)) usageError("pycomm topk_ef_segments: g and e must be different tensors");
+  checkGradAndResidual("topk_ef_segments", g, e);
   const size_t count = offsets.size();
   if (lengths.size() != count || exact.size() != count || seeds.size() != count)
     usageError("pycomm topk_ef_segments: offsets, lengths, exact and seeds must have one entry per segment");
@@ -254,10 +256,7 @@ at::Tensor quantizeTensor(const at::Tensor& x, int64_t bits, int64_t block, bool
 at::Tensor quantizeEf(const at::Tensor& g, at::Tensor& e, int64_t bits, int64_t block,
                       bool stochastic, int64_t seed, const std::optional<at::Tensor>& outArg) {
   checkSeed("quantize_ef", seed);
-  if (g.numel() != e.numel())
-    usageError("pycomm quantize_ef: g and e must have the same number of elements (got " +
-               std::to_string(g.numel()) + " and " + std::to_string(e.numel()) + ")");
-  if (g.is_same(e)) usageError("pycomm quantize_ef: g and e must be different tensors");
+  checkGradAndResidual("quantize_ef", g, e);
 #ifdef PYCOMM_WITH_CUDA
   if (g.is_cuda() || e.is_cuda())
     return translate([&] {
