@@ -1101,6 +1101,70 @@ def blocking_calls_worker(ctx):
     return {"woken": woken, "result": float(x[0])}
 
 
+def blocking_call_work_worker(ctx):
+    import torch._C._distributed_c10d as c10d_impl
+
+    pg = dist.group.WORLD
+    out = {}
+    x = torch.ones(2)
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    # A blocking call that ran on the caller's thread hands back no Work (torch's
+    # frontend waits only on a Work it got) and is complete when it returns.
+    out["blocking"] = repr(pg.allreduce([x], opts))
+    out["blocking_sum"] = float(x[0])
+    barrier_opts = dist.BarrierOptions()
+    barrier_opts.asyncOp = False
+    out["barrier"] = repr(pg.barrier(barrier_opts))
+    x.fill_(1)
+    work = pg.allreduce([x])  # asyncOp defaults to True: a Work, as before
+    out["async_is_work"] = work is not None
+    work.wait()
+    out["async_sum"] = float(x[0])
+    # torch's in-flight work registry needs a Work for every call it registers.
+    c10d_impl._set_allow_inflight_collective_as_graph_input(True)
+    try:
+        x.fill_(1)
+        work = pg.allreduce([x], opts)
+        out["inflight_is_work"] = work is not None
+        if work is not None:
+            work.wait()
+        out["inflight_sum"] = float(x[0])
+    finally:
+        c10d_impl._set_allow_inflight_collective_as_graph_input(False)
+    # Under the profiler the Work carries the call's event.
+    x.fill_(1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        work = pg.allreduce([x], opts)
+        out["profiled_is_work"] = work is not None
+        if work is not None:
+            work.wait()
+    out["profiled_event"] = any(e.name == "pycomm:allreduce" for e in prof.events())
+    # A failure of a blocking call is raised by the call itself: the ranks' sizes differ.
+    try:
+        dist.all_reduce(torch.ones(2 + ctx.rank))
+        out["mismatch"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the type is the point
+        out["mismatch"] = type(exc).__name__
+    return out
+
+
+def test_blocking_call_returns_no_work():
+    """A blocking collective run on the caller's thread returns no Work (None in
+    Python), which spares torch's frontend the Work, its Future and the wait(); an
+    async call, a call under the profiler, and one under torch's in-flight work
+    registry still get theirs, and a failure surfaces from the call."""
+    rets = spawn_run(blocking_call_work_worker, 2, backend=BACKEND, make_ref=False,
+                     timeout_s=120, pg_timeout_s=30).check().returns
+    for rank, out in rets.items():
+        assert out["blocking"] == "None" and out["blocking_sum"] == 2.0, (rank, out)
+        assert out["barrier"] == "None", (rank, out)
+        assert out["async_is_work"] and out["async_sum"] == 2.0, (rank, out)
+        assert out["inflight_is_work"] and out["inflight_sum"] == 2.0, (rank, out)
+        assert out["profiled_is_work"] and out["profiled_event"], (rank, out)
+        assert out["mismatch"] == "DistBackendError", (rank, out)
+
+
 def test_blocking_calls_leave_the_worker_asleep():
     """A blocking call with nothing queued runs on the caller's thread; it must not
     wake the group's worker thread each time (on a host with more ranks than cores

@@ -44,6 +44,11 @@ struct Launch {
   // Run on the worker right before the body (empty: nothing). A seam's wait for
   // the data it staged; a failure there fails the call like the body's own.
   std::function<void()> beforeBody;
+  // The caller takes no Work from a blocking call that ran to completion on its own
+  // thread: enqueue may return none (a failure is thrown instead). torch's frontend
+  // (dist.all_reduce and the rest) calls wait() only on a Work it got. Set by
+  // runOnDevice for CPU tensors only: a seam wraps the CPU operation's Work.
+  bool workOptional = false;
 };
 
 // One declared tensor of a staged call, in declaration order.
@@ -188,7 +193,7 @@ c10::intrusive_ptr<c10d::Work> runOnDevice(const char* op, int rank, Dispatch di
         DeviceProbe probe(op);
         (probe.add(d.tensors), ...);
         DeviceSeam* seam = probe.seam();
-        if (seam == nullptr) return body(Launch{asyncOp, {}}, d.tensors...);
+        if (seam == nullptr) return body(Launch{asyncOp, {}, /*workOptional=*/true}, d.tensors...);
         std::vector<DeclaredTensor> flat;
         (seam_detail::flatten(flat, d.role, d.tensors), ...);
         std::unique_ptr<StagedCall> call = seam->stage(op, rank, probe.device(), dispatch, flat);

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>  // allow_inflight_collective_as_graph_input
 
 #include <condition_variable>
 #include <cstring>
@@ -189,13 +190,13 @@ void ProcessGroupPycomm::workerLoop() {
   }
 }
 
-void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
+std::exception_ptr ProcessGroupPycomm::runTask(Task& task, bool inline_) {
   at::NoGradGuard noGrad;  // scratch copies made here never join an autograd graph
   std::exception_ptr error;
   const auto started = Clock::now();
   Clock::time_point ended;
   recorder_.started(task.seq, started);
-  const std::string earlier = group_->failure();
+  const std::string earlier = group_->failed() ? group_->failure() : std::string();
   if (!earlier.empty()) {
     error = makeBackendError("pycomm " + task.op +
                              ": the process group is unusable after an earlier failure (" +
@@ -235,6 +236,7 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
   }
   Stats::instance().recordOp(task.op, std::chrono::duration<double>(ended - started).count(),
                              task.bytes, error != nullptr, getSize());
+  if (!task.work) return error;
   if (inline_) {
     task.work->markDone(error);
   } else {
@@ -243,6 +245,7 @@ void ProcessGroupPycomm::runTask(Task& task, bool inline_) {
     task.work->finishWork(error);
     completions_.post([work = task.work, error] { work->completeFuture(error); });
   }
+  return nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpType type,
@@ -255,8 +258,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
   for (const auto& t : outputs) bytes += heldBytes(t);
   const bool sparse = !outputs.empty() && outputs[0].defined() && outputs[0].is_sparse();
   // The profiling title goes to our own event (recordProfile), not c10d::Work's.
-  auto work = c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs));
-  if (PycommWork::profilerActive()) {
+  c10::intrusive_ptr<PycommWork> work;
+  const bool profiling = PycommWork::profilerActive();
+  // A blocking call may go without a Work (see enqueue's declaration), saving the
+  // Work, its Future and torch's wait() on them: most of a small call's CPU time
+  // beyond torch's own frontend.
+  const bool workOptional = launch.workOptional && !asyncOp && !profiling &&
+                            !c10d::allow_inflight_collective_as_graph_input();
+  if (!workOptional) work = c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs));
+  if (profiling) {
     const char* dtype =
         signature.dtype >= 0 ? dataTypeName(static_cast<DataType>(signature.dtype)) : "";
     work->recordProfile(
@@ -282,7 +292,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
       // thread hand-offs fewer.
       busy_ = true;
       lock.unlock();
-      runTask(task, /*inline_=*/true);
+      std::exception_ptr error = runTask(task, /*inline_=*/true);
       lock.lock();
       busy_ = false;
       // The worker waits for !busy_ only with work queued or a stop pending;
@@ -290,7 +300,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
       const bool wakeWorker = !queue_.empty() || stopping_;
       lock.unlock();
       if (wakeWorker) queueCv_.notify_all();
-      return work;
+      if (error) std::rethrow_exception(error);
+      return work;  // nullptr when the caller takes none
+    }
+    if (!task.work) {  // queued after all (work ahead of it): it needs its Work
+      task.work = work = c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs));
     }
     queue_.push_back(std::move(task));
   }
@@ -831,9 +845,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
-  // No tensors: nothing for a device seam to stage.
+  // No tensors: nothing for a device seam to stage, and a blocking barrier may
+  // return no Work, as the CPU calls of runOnDevice do.
   return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { pycomm::barrier(c); },
-                 opts.timeout, Launch{opts.asyncOp, {}},
+                 opts.timeout, Launch{opts.asyncOp, {}, /*workOptional=*/true},
                  signature("barrier"));
 }
 

@@ -154,6 +154,8 @@ class ProcessGroupPycomm : public c10d::Backend {
   using Body = std::function<void(Comm&)>;
   // Queues `body` for the worker (`launch.beforeBody` first), or runs it inline for a
   // blocking call with nothing queued; the returned work completes with `outputs`.
+  // An inline call with `launch.workOptional` returns no work (nullptr), unless
+  // the profiler records or torch registers in-flight works (a failure throws).
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
                                          std::chrono::milliseconds timeout, const Launch& launch,
@@ -180,8 +182,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   };
   // Runs one task to completion: on the worker thread, whose Future completions
   // (and their callbacks) go to completions_, or inline on a blocking caller,
-  // which completes the Future itself (no callback can be attached yet).
-  void runTask(Task& task, bool inline_);
+  // which completes the Future itself (no callback can be attached yet). A task
+  // without a work (inline only) returns its failure instead (null: success).
+  std::exception_ptr runTask(Task& task, bool inline_);
   // The algorithm `op` on `bytes` is expected to run (for the profiler, which
   // needs it when the call is made; the flight recorder keeps what did run).
   std::string expectedAlgorithm(const std::string& op, uint64_t bytes) const;

@@ -15,6 +15,7 @@ std::string GroupState::fail(const std::string& message, const std::string& reas
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_.empty()) {
       failure_ = message;
+      failed_.store(true, std::memory_order_release);
       first = true;
     }
     recorded = failure_;

@@ -5,6 +5,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -27,6 +28,8 @@ class GroupState {
   // message itself). Returns the recorded failure.
   std::string fail(const std::string& message, const std::string& reason = "");
   std::string failure();
+  // Whether a failure was recorded: one atomic load (every call checks it).
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
   Transport& transport() { return *transport_; }
   const std::shared_ptr<Transport>& transportPtr() { return transport_; }
   // The node-local arena, when ranks share a host (aborted with the transport).
@@ -36,6 +39,7 @@ class GroupState {
  private:
   std::mutex mutex_;
   std::string failure_;
+  std::atomic<bool> failed_{false};  // set with failure_, under mutex_
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ShmArena> arena_;
 };

@@ -128,6 +128,8 @@ class ShmArena {
   static constexpr int kYieldMicros = 5000;
   // A yield this long ends the polling (the core is busy with other work; see waitFor).
   static constexpr int kLongYieldMicros = 500;
+  // cpuRelax() calls between two looks at the peer's counter while spinning.
+  static constexpr int kPausesPerLook = 4;
   // How many yields between checks of the peers' abort flags while polling.
   static constexpr int kYieldsPerCheck = 256;
   std::function<std::string(int)> namer_;
