@@ -265,7 +265,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
   // beyond torch's own frontend.
   const bool workOptional = launch.workOptional && !asyncOp && !profiling &&
                             !c10d::allow_inflight_collective_as_graph_input();
-  if (!workOptional) work = c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs));
+  auto makeWork = [&] { return c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs)); };
+  if (!workOptional) work = makeWork();
   if (profiling) {
     const char* dtype =
         signature.dtype >= 0 ? dataTypeName(static_cast<DataType>(signature.dtype)) : "";
@@ -304,7 +305,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
       return work;  // nullptr when the caller takes none
     }
     if (!task.work) {  // queued after all (work ahead of it): it needs its Work
-      task.work = work = c10::make_intrusive<PycommWork>(getRank(), type, nullptr, std::move(outputs));
+      task.work = work = makeWork();
     }
     queue_.push_back(std::move(task));
   }
