@@ -227,9 +227,16 @@ def train(args, variant):
                 at += p.numel()
             opt.step()
             step += 1
+            if step in getattr(args, "eval_at", ()):
+                args.curve.append((step, _accuracy(model, task)))
+    return _accuracy(model, task)
+
+
+def _accuracy(model, task):
     model.eval()
     with torch.no_grad():
         _, correct, count = task.score(model(task.x_test), task.y_test)
+    model.train()
     return correct / count
 
 
