@@ -279,7 +279,10 @@ def main(argv=None):
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--only", default="", help="comma-separated row numbers (0-based)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="also print test accuracy every N steps (step:acc, per seed); 0: final only")
     args = parser.parse_args(argv)
+    args.eval_at = set(range(args.eval_every, args.steps + 1, args.eval_every)) if args.eval_every > 0 else set()
     torch.set_num_threads(1)
     rows = []
     only = {int(i) for i in args.only.split(",") if i}
@@ -290,7 +293,10 @@ def main(argv=None):
         accs = []
         for seed in [int(s) for s in args.seeds.split(",")]:
             args.seed = seed
+            args.curve = []
             accs.append(train(args, variant))
+            if args.curve:
+                print(f"   seed {seed}: " + " ".join(f"{step}:{a * 100:.1f}" for step, a in args.curve), flush=True)
         rows.append({"variant": name, "accuracy": accs, "mean": sum(accs) / len(accs)})
         print(f"{i:2d} {name:<72} " + " ".join(f"{a * 100:6.2f}" for a in accs), flush=True)
     return rows, time.perf_counter() - started

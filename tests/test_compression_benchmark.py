@@ -75,3 +75,24 @@ def test_scoring_during_training_changes_nothing(tmp_path):
         assert plain["curve"] == []
     assert os.path.exists(str(tmp_path / "every5_curves.png"))
     assert "## Accuracy over training" in open(str(tmp_path / "every5.md")).read()
+
+
+def test_ablation_curve_ends_at_the_final_accuracy_and_does_not_change_it(capsys):
+    """benchmarks/topk_ablation.py --eval-every: the accuracy-over-steps figures of
+    docs/compression.md's simulation; scoring between steps leaves training alone."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import topk_ablation
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    common = ["--task", "cnn", "--steps", "20", "--only", "4"]
+    plain, _ = topk_ablation.main(common)
+    scored, _ = topk_ablation.main(common + ["--eval-every", "10"])
+    assert plain[0]["accuracy"] == scored[0]["accuracy"]
+    curve = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("seed 0:")]
+    assert len(curve) == 1
+    points = [tuple(p.split(":")) for p in curve[0].split(":", 1)[1].split()]
+    assert [int(step) for step, _ in points] == [10, 20]
+    assert float(points[-1][1]) == pytest.approx(scored[0]["accuracy"][0] * 100, abs=0.05)
