@@ -154,8 +154,10 @@ def test_cli_hosts_two_end_to_end(tmp_path):
 def test_cli_hosts_cleans_up_on_signal(sig, tmp_path):
     """A signal while the ranks run: the CLI stops them and removes its namespaces."""
     argv = [sys.executable, "-m", "pycomm.bench", "--hosts", "2", "-b", "8", "-e", "64M", "-f", "2"]
+    # SIGINT as a terminal's Ctrl-C delivers it: a suite started as a background job (`cmd &`
+    # in a script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt.
     proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         selector = selectors.DefaultSelector()
         selector.register(proc.stdout, selectors.EVENT_READ)
