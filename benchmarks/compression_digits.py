@@ -664,6 +664,7 @@ def main(argv=None) -> int:
     curves_png = _plot_curves(settings, args.out + "_curves.png", title)
 
     table = _table(settings)
+    most = max((st["world_size"] for st in settings), default=0)
     lines = [
         "# Gradient compression: accuracy, bytes per step, step time",
         "",
@@ -680,7 +681,8 @@ def main(argv=None) -> int:
         f"zero_grad+forward+backward(+exchange)+step"
         f"{f', then the median over {args.repeat} runs of each setting (every run in the json)' if args.repeat > 1 else ''}. Slow link: each rank in its own network namespace, "
         f"veth to a private bridge, `tc tbf rate R burst 256kb latency 50ms` on each host's egress "
-        f"(tests/netns_util.py); no added delay (netem unavailable). 4 ranks oversubscribe 2 cores.",
+        f"(tests/netns_util.py); no added delay (netem unavailable)."
+        + (f" {most} ranks oversubscribe {os.cpu_count()} cores." if most > (os.cpu_count() or 1) else ""),
         "",
         *table,
         "",

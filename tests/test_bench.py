@@ -39,8 +39,8 @@ _CLI_TIMEOUT_S = 240
 _DEMO_TIMEOUT_S = 300
 
 
-def _run_module(module: str, args, cwd, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _run_module(module: str, args, cwd, timeout: float, extra_env=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(extra_env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # spawn mode, never a leftover torchrun environment
@@ -346,6 +346,57 @@ def test_cli_tcp_reference_line(tmp_path):
     proc = _run_module("pycomm.bench", args[:-3] + ["--json", str(out2)], tmp_path, timeout=_CLI_TIMEOUT_S)
     assert proc.returncode == 0, _describe(proc)
     assert _load_rows(out2)[0]["tcp_ring_gbps"] is None and "raw TCP" not in proc.stdout
+
+
+@requires_backend
+def test_cli_tcp_reference_uses_the_groups_streams(tmp_path):
+    """#16 item 1: the reference runs over as many streams per peer and I/O threads as
+    the pycomm group (PYCOMM_SOCKETS_PER_PEER / PYCOMM_IO_THREADS), not one stream."""
+    out = tmp_path / "out.json"
+    args = ["-n", "2", "-b", "64K", "-e", "64K", "--iters", "2", "--warmup", "1",
+            "--algos", "ring", "--peer", "none", "--tcp-reference", "--json", str(out)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S,
+                       extra_env={"PYCOMM_SOCKETS_PER_PEER": "3", "PYCOMM_IO_THREADS": "2"})
+    assert proc.returncode == 0, _describe(proc)
+    meta, _ = _load_rows(out)
+    assert meta["tcp_ring_streams"] == [3, 2] and meta["tcp_streams"] == [3, 2], meta
+    assert all(r > 0.01 for r in meta["tcp_ring_rates"]), meta["tcp_ring_rates"]
+    assert "each rank 3 stream(s) out + 3 in at once, 2 thread(s), sendfile" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("streams,threads,send", [(1, 1, "sendfile"), (3, 2, "sendfile"), (2, 4, "sendfile"),
+                                                  (2, 2, "copy")])
+def test_link_pump_drives_every_stream(streams, threads, send, monkeypatch):
+    """Every stream is sent on, ended and read to its end, whichever thread pumps it and
+    however it sends (PYCOMM_BENCH_LINK_SEND): a stream left out would leave its
+    receiving end open (recv times out)."""
+    import socket
+
+    from pycomm.bench import link
+
+    monkeypatch.setenv("PYCOMM_BENCH_LINK_SEND", send)
+
+    server = socket.create_server(("127.0.0.1", 0), backlog=streams)
+    outgoing = [socket.create_connection(server.getsockname(), timeout=10) for _ in range(streams)]
+    incoming = [server.accept()[0] for _ in range(streams)]
+    server.close()
+    try:
+        received, elapsed = link._pump_threads(outgoing, incoming, 0.2, threads)
+        assert received > 0 and 0 < elapsed < 10, (received, elapsed)
+        for sock in incoming:
+            sock.settimeout(5)
+            assert sock.recv(1) == b"", "a stream was not ended"  # its sender shut it down
+    finally:
+        for sock in outgoing + incoming:
+            sock.close()
+
+
+def test_link_send_mode_is_checked(monkeypatch):
+    from pycomm.bench import link
+
+    monkeypatch.setenv("PYCOMM_BENCH_LINK_SEND", "splice")
+    with pytest.raises(ValueError, match="sendfile or copy"):
+        link._send_mode()
 
 
 def _synthetic_result(with_mpi=True):

@@ -71,8 +71,9 @@ def _build_parser() -> argparse.ArgumentParser:
                              "mpi4py, python -m pycomm.bench.mpi) and print one table with every "
                              "peer; its rows go to --json and --plot too")
     parser.add_argument("--tcp-reference", action=argparse.BooleanOptionalAction, default=None,
-                        help="measure raw TCP between the same ranks in the ring's pattern (one "
-                             "stream out, one in, at once) and print it as the reference for busbw "
+                        help="measure raw TCP between the same ranks in the ring's pattern (each rank "
+                             "sends and receives at once, over as many streams per peer and I/O "
+                             "threads as the pycomm group uses) and print it as the reference for busbw "
                              "(default: on when PYCOMM_TRANSPORT=tcp, and with --hosts at one rank per host)")
     hosts = parser.add_argument_group(
         "several hosts on this machine (root, iproute2)",

@@ -89,7 +89,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
 
     memcpy_gbps = memcpy_bandwidth() if rank == 0 else 0.0
     control.barrier()
-    link_gbps, link_rates = _tcp_reference(cfg, control, rank, world_size)
+    link_gbps, link_rates, link_streams = _tcp_reference(cfg, control, rank, world_size)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
@@ -104,6 +104,8 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "memcpy_gbps": memcpy_gbps,
         "tcp_ring_gbps": link_gbps,
         "tcp_ring_rates": link_rates,
+        "tcp_ring_streams": link_streams,
+        "tcp_ring_send": _link_send_mode() if link_gbps is not None else None,
         "dtype": cfg.dtype,
         "op": cfg.op_name,
         "backend": cfg.backend,
@@ -159,19 +161,29 @@ def _shm_barrier(cfg: BenchConfig, control: TorchControl, rank: int, world_size:
     return ShmBarrier(rank, world_size, broadcast, control.barrier, cfg.timeout_s)
 
 
+def _link_send_mode() -> str:
+    from .link import _send_mode
+
+    return _send_mode()
+
+
 def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_size: int):
-    """(slowest rank's GB/s, every rank's) of raw TCP in the ring's pattern, or (None,
-    None) when not asked for (pycomm.bench.link)."""
-    from ..config import bind_address, load_config
+    """(slowest rank's GB/s, every rank's, [streams, threads]) of raw TCP in the ring's
+    pattern over the streams per peer and I/O threads a pycomm group of this rank would
+    use, or (None, None, None) when not asked for (pycomm.bench.link)."""
+    from ..config import bind_address, load_config, resolve_streams
 
     config = load_config()
     wanted = cfg.tcp_reference if cfg.tcp_reference is not None else (
         cfg.backend == "pycomm" and (config.transport == "tcp" or (bool(cfg.hosts) and cfg.ranks_per_host == 1)))
     if not wanted or world_size < 2:
-        return None, None
+        return None, None, None
     from .link import tcp_ring_bandwidth
 
-    return tcp_ring_bandwidth(control.group, rank, world_size, bind_address(config))
+    streams, threads = resolve_streams(config, bind_address(config))
+    slowest, rates = tcp_ring_bandwidth(control.group, rank, world_size, bind_address(config),
+                                        streams=streams, threads=threads)
+    return slowest, rates, [streams, threads]
 
 
 def run_benchmark(cfg: BenchConfig) -> BenchResult:

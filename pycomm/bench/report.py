@@ -90,8 +90,10 @@ class TablePrinter:
         self._print(f"# memcpy (1 thread, {format_size(MEMCPY_BYTES)}, median of {MEMCPY_REPEATS}): "
                     f"{meta['memcpy_gbps']:.2f} GB/s")
         if meta.get("tcp_ring_gbps") is not None:
-            self._print(f"# raw TCP, ring pattern (each rank 1 stream out + 1 in at once, "
-                        f"{LINK_SECONDS:g} s): {meta['tcp_ring_gbps']:.2f} GB/s (slowest rank; "
+            streams, threads = meta.get("tcp_ring_streams") or (1, 1)
+            self._print(f"# raw TCP, ring pattern (each rank {streams} stream(s) out + {streams} in at once, "
+                        f"{threads} thread(s), {meta.get('tcp_ring_send') or 'sendfile'}, {LINK_SECONDS:g} s): "
+                        f"{meta['tcp_ring_gbps']:.2f} GB/s (slowest rank; "
                         f"ranks {', '.join(f'{r:.2f}' for r in meta['tcp_ring_rates'])})")
         if meta.get("tcp_streams"):
             self._print(f"# TCP: {meta['tcp_streams'][0]} stream(s) per peer, {meta['tcp_streams'][1]} I/O "
