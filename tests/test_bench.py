@@ -555,3 +555,18 @@ def test_demo(tmp_path):
     assert "parameters identical on all ranks: OK" in proc.stdout, _describe(proc)
     assert "matches the same training on gloo: OK" in proc.stdout, _describe(proc)
     assert "# check: OK" in proc.stdout, _describe(proc)
+
+
+@requires_backend
+def test_call_cost_script_reports_every_rank(tmp_path):
+    """benchmarks/call_cost.py: one line per rank with the call's CPU, faults and the
+    bytes that arrived before their receive."""
+    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "call_cost.py")
+    proc = subprocess.run([sys.executable, script, "--algo", "sharded", "--mib", "1", "--ranks", "2", "--iters", "2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], proc.stdout
+    assert all("arrived before their receive" in line and "sys" in line for line in lines), proc.stdout
+    bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr
