@@ -57,13 +57,14 @@ def _send_mode() -> str:
 def _pump(outgoing: Sequence[socket.socket], incoming: Sequence[socket.socket],
           seconds: float) -> Tuple[float, Optional[float], Optional[float]]:
     """One thread, both directions at once, as one of pycomm's I/O threads does: send on
-    every ``outgoing`` socket for ``seconds`` (sendfile(2) from an in-memory file, the
-    kernel copies) while receiving on every ``incoming`` one until its peer's stream
-    ends. Returns (bytes received, perf_counter of the first received byte, of the last
+    every ``outgoing`` socket for ``seconds`` (sendfile(2) from an in-memory file, or
+    send(2) from a buffer with PYCOMM_BENCH_LINK_SEND=copy) while receiving on every
+    ``incoming`` one until its peer's stream ends. Returns (bytes received, perf_counter of the first received byte, of the last
     stream's end); the times are None when nothing arrived."""
     copy = _send_mode() == "copy"
-    fd = os.memfd_create("pycomm-link")
-    os.ftruncate(fd, _FILE_BYTES)
+    fd = None if copy else os.memfd_create("pycomm-link")
+    if fd is not None:
+        os.ftruncate(fd, _FILE_BYTES)
     source = memoryview(bytearray(_FILE_BYTES)) if copy else None
     buffer = bytearray(_CHUNK)
     selector = selectors.DefaultSelector()
@@ -117,7 +118,8 @@ def _pump(outgoing: Sequence[socket.socket], incoming: Sequence[socket.socket],
                 total += n
     finally:
         selector.close()
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     return float(total), first, end
 
 
