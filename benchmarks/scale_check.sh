@@ -44,18 +44,21 @@ steps=",${SCALE_STEPS:-cuda,hosts,compression,hosts-1gbit,cpu-tests},"
 want() { [[ $steps == *",$1,"* ]]; }
 step() { pack; echo "== $(( $(date +%s) - start )) s: $*"; }
 
+carried=""
+if ! command -v ip >/dev/null && [ -x "${SCALE_IPROUTE:-.ipr}/bin/ip" ]; then
+  export PATH=$PWD/${SCALE_IPROUTE:-.ipr}/bin:$PATH
+  carried="using carried iproute2"
+fi
+
 step "machine"
 {
   nproc; uname -r; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())"
-  if ! command -v ip >/dev/null && [ -x "${SCALE_IPROUTE:-.ipr}/bin/ip" ]; then
-    export PATH=$PWD/${SCALE_IPROUTE:-.ipr}/bin:$PATH; echo "using carried iproute2"
-  fi
+  [ -n "$carried" ] && echo "$carried"
   command -v ip tc mpirun
   ip netns add scalecheck$$ && ip netns exec scalecheck$$ ip link set lo up && echo "netns OK"
   ip netns del scalecheck$$ 2>/dev/null
   uptime
 } 2>&1 | tee "$out/machine.txt"
-command -v ip >/dev/null || { [ -x "${SCALE_IPROUTE:-.ipr}/bin/ip" ] && export PATH=$PWD/${SCALE_IPROUTE:-.ipr}/bin:$PATH; }
 
 if [ "${SCALE_NO_BUILD:-0}" = 1 ]; then
   step "no build (SCALE_NO_BUILD=1)"

@@ -180,8 +180,9 @@ def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_siz
         return None, None, None
     from .link import tcp_ring_bandwidth
 
-    streams, threads = resolve_streams(config, bind_address(config))
-    slowest, rates = tcp_ring_bandwidth(control.group, rank, world_size, bind_address(config),
+    address = bind_address(config)
+    streams, threads = resolve_streams(config, address)
+    slowest, rates = tcp_ring_bandwidth(control.group, rank, world_size, address,
                                         streams=streams, threads=threads)
     return slowest, rates, [streams, threads]
 
