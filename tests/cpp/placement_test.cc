@@ -9,6 +9,10 @@
 // back (they complete 300 ms late, as a slow link or a busy core would make
 // them): meanwhile the others get rank 0's data, reduce it and send their
 // reduced blocks. Those must find their receives posted.
+//
+// The tree reduce on 4 and 5 ranks, every parent starting after its children:
+// a child may send the first window of segments before its parent posts, and the
+// rest only on the parent's credits, so nothing else may be buffered.
 // Built and run by tests/test_placement_cpp.py; one line per check.
 #include <chrono>
 #include <iostream>
@@ -156,12 +160,69 @@ void sharded(int n) {
   for (auto& t : transports) t->abort("test done");
 }
 
+// The tree reduce to rank 0 on `n` ranks, rank k starting (n - 1 - k) x 200 ms
+// after the last one: every parent starts after its children. A child may send
+// its parent the first window (4 segments) before the parent posts anything;
+// the rest it sends only as the parent posts their receives (one credit each).
+// Before credits a child sent everything at once, and a parent that was late
+// (or slow to reduce) had all of it buffered.
+void treeReduce(int n) {
+  constexpr size_t kCount = 1 << 20;  // floats: 4 MiB, 16 segments of 256 KiB
+  constexpr size_t kSegment = 256 << 10;
+  constexpr size_t kWindow = 8;  // tree.cc's kReduceWindow
+  MemoryStore store(std::chrono::seconds(20));
+  std::vector<std::unique_ptr<TcpTransport>> transports(n);
+  {
+    std::vector<std::thread> threads;
+    TcpOptions options;
+    options.storePrefix = strCat("tree", n, "/");
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] { transports[r] = std::make_unique<TcpTransport>(r, n, store, options); });
+    for (auto& t : threads) t.join();
+  }
+  // Every rank but the root has a parent that starts after it.
+  const uint64_t early = static_cast<uint64_t>(n - 1) * kWindow * kSegment;
+  const uint64_t bufferedBefore = Stats::instance().buffered();
+  std::vector<std::vector<float>> data(n);
+  std::vector<std::string> outcome(n);
+  std::vector<std::thread> threads;
+  for (int r = n - 1; r >= 0; --r) {
+    threads.emplace_back([&, r] {
+      data[r].assign(kCount, static_cast<float>(r + 1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(200) * (n - 1 - r));
+      try {
+        Comm comm(*transports[r], std::chrono::seconds(20), kSegment);
+        comm.begin("reduce");
+        reduceTree(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum, 0);
+        outcome[r] = "returned";
+      } catch (const std::exception& e) {
+        outcome[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const uint64_t buffered = Stats::instance().buffered() - bufferedBefore;
+  const float sum = static_cast<float>(n * (n + 1) / 2);
+  bool returned = true;
+  for (int r = 0; r < n; ++r) returned = returned && outcome[r] == "returned";
+  bool correct = true;
+  for (float v : data[0]) correct = correct && v == sum;
+  expect(returned && correct, strCat("tree reduce, ", n, " ranks: ", returned ? "every rank returned" : outcome[0],
+                                     ", the root's elements ", correct ? "right" : "WRONG"));
+  expect(buffered == early, strCat("tree reduce, ", n, " ranks, parents late: ", buffered,
+                                   " bytes arrived before their receive (only the first window per child, ",
+                                   early, ", may)"));
+  for (auto& t : transports) t->abort("test done");
+}
+
 }  // namespace
 
 int main() {
   sharded(2);  // recursive halving, then doubling
   sharded(4);
   sharded(3);  // direct exchange
+  treeReduce(4);
+  treeReduce(5);
   if (failures) {
     std::cout << failures << " check(s) failed" << std::endl;
     return 1;
