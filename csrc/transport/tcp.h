@@ -94,8 +94,24 @@ class TcpTransport : public Transport {
                  // its peer was lost): the rest is read, then dropped, and no
                  // receive's buffer is ever written
     };
+    // The payload: not zeroed first, since the socket writes every byte of it
+    // before anything reads it (a message that ends early is dropped).
+    class Bytes {
+     public:
+      void resize(size_t n) {
+        bytes_.reset(n > 0 ? new char[n] : nullptr);
+        size_ = n;
+      }
+      char* data() { return bytes_.get(); }
+      size_t size() const { return size_; }
+      bool empty() const { return size_ == 0; }
+
+     private:
+      std::unique_ptr<char[]> bytes_;
+      size_t size_ = 0;
+    };
     uint64_t tag = 0;
-    std::vector<char> data;
+    Bytes data;
     bool complete = false;
     Claim claim = Claim::kNone;
     PostedRecv waiter;  // the claiming receive, when kWaiting
