@@ -12,8 +12,12 @@
 #   6. the CPU-side tests of the CUDA build, in what time is left;
 #   7. (only when SCALE_STEPS names it) tcp-variants: the 2- and 4-host ring at 64 MiB with
 #      the raw-TCP line sent by send(2) copies as well as sendfile(2), and with other
-#      segment sizes, streams and I/O threads: where the ring's time goes on a fast link.
-# SCALE_STEPS picks steps 2-7 by name (default: cuda,hosts,compression,hosts-1gbit,cpu-tests).
+#      segment sizes, streams and I/O threads: where the ring's time goes on a fast link;
+#   8. (only when SCALE_STEPS names it) threads: the ring's CPU per call and per thread
+#      (benchmarks/call_cost.py --threads, loopback, 2 and 4 ranks, 64 MiB), by default and
+#      with 2 streams and 2 I/O threads: is one thread (the I/O thread, the caller that
+#      reduces) busy all the time, with cores to spare?
+# SCALE_STEPS picks steps 2-8 by name (default: cuda,hosts,compression,hosts-1gbit,cpu-tests).
 # Logs go to /tmp/scale-logs and, packed after every step, to $1/scale.tar.gz (default
 # $1: $OUT, else .): the device tool brings back at most 8 files, and what a step killed
 # at the call's limit had written still comes back. SCALE_NO_BUILD=1 uses the extension
@@ -112,6 +116,17 @@ if want tcp-variants; then
     PYCOMM_SOCKETS_PER_PEER=2 PYCOMM_IO_THREADS=2 ring64 v${h}_s2t2 --hosts $h
     PYCOMM_SOCKETS_PER_PEER=2 PYCOMM_IO_THREADS=2 PYCOMM_BENCH_LINK_SEND=copy ring64 v${h}_s2t2_refcopy --hosts $h
     PYCOMM_SOCKETS_PER_PEER=2 PYCOMM_IO_THREADS=2 PYCOMM_SEGMENT_BYTES=1048576 ring64 v${h}_s2t2_seg1m --hosts $h
+  done
+fi
+
+if want threads; then
+  step "#16 item 1: the ring's CPU per thread (call_cost.py --threads)"
+  for r in 2 4; do
+    for knobs in "" "PYCOMM_SOCKETS_PER_PEER=2 PYCOMM_IO_THREADS=2"; do
+      echo "## ranks $r ${knobs:-defaults}" | tee -a "$out/threads.txt"
+      env $knobs timeout $(left 90) python3 benchmarks/call_cost.py --algo ring --mib 64 --ranks $r --iters 20 \
+        --threads 2>&1 | tee -a "$out/threads.txt"
+    done
   done
 fi
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -570,3 +571,23 @@ def test_call_cost_script_reports_every_rank(tmp_path):
     assert all("arrived before their receive" in line and "sys" in line for line in lines), proc.stdout
     bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr
+
+
+@requires_backend
+def test_call_cost_threads_names_pycomm_threads(tmp_path):
+    """call_cost.py --threads: each rank's CPU per call by thread name, where the TCP
+    transport's I/O thread shows under the name pycomm gives it (pycomm-io0) and the
+    caller's thread, which runs a blocking all-reduce, shows too."""
+    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "call_cost.py")
+    proc = subprocess.run([sys.executable, script, "--algo", "ring", "--mib", "4", "--ranks", "2", "--iters", "3",
+                           "--threads"], cwd=tmp_path, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    lines = [line for line in proc.stdout.splitlines() if " threads: " in line]
+    assert [line.split(" threads:")[0] for line in lines] == ["rank 0", "rank 1"], proc.stdout
+    for line in lines:
+        entry = re.compile(r"(\S+?)(?: x\d+)? ([\d.]+) ms \(\d+%(?:, \d+% in the kernel)?\)")
+        found = entry.findall(line.split(": ", 1)[1])
+        assert entry.sub("", line.split(": ", 1)[1]).replace(", ", "") == "", line  # nothing else
+        entries = dict(found)
+        assert float(entries.get("pycomm-io0", 0)) > 0, line  # 4 MiB each way goes through it
+        assert float(entries.get("caller", 0)) > 0, line  # the blocking call runs (and reduces) there

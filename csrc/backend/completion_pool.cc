@@ -1,5 +1,7 @@
 #include "backend/completion_pool.h"
 
+#include "common/thread_name.h"
+
 namespace pycomm {
 
 void CompletionPool::post(std::function<void()> completion) {
@@ -18,6 +20,7 @@ void CompletionPool::post(std::function<void()> completion) {
 }
 
 void CompletionPool::loop(std::shared_ptr<State> state) {
+  nameThisThread("pycomm-done");
   State& s = *state;  // owned by this thread too: it may outlive the pool (see stop)
   std::unique_lock<std::mutex> lock(s.mutex);
   while (true) {

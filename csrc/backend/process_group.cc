@@ -15,6 +15,7 @@
 #include "backend/tensor_checks.h"
 #include "common/logging.h"
 #include "common/stats.h"
+#include "common/thread_name.h"
 #include "transport/bootstrap.h"
 
 namespace pycomm {
@@ -171,6 +172,7 @@ std::chrono::milliseconds ProcessGroupPycomm::effectiveTimeout(
 }
 
 void ProcessGroupPycomm::workerLoop() {
+  nameThisThread("pycomm-worker");
   while (true) {
     Task task;
     {

@@ -13,11 +13,13 @@
 #include <algorithm>
 
 #include "common/stats.h"
+#include "common/thread_name.h"
 #include "transport/tcp_socket.h"
 
 namespace pycomm {
 
 void TcpTransport::ioLoop(int thread) {
+  nameThisThread("pycomm-io" + std::to_string(thread));
   epoll_event events[64];
   const int epollFd = io_[thread].epollFd;
   const int wakeFd = io_[thread].wakeFd;
