@@ -214,8 +214,16 @@ class TcpTransport : public Transport {
   void armWrite(Stream& s, bool on);  // under s.mutex
   // Marks `peer` lost, fails what waits on it, and shuts its sockets. `reason`
   // completes "rank R lost the connection to rank P (reason)" unless
-  // `fullMessage` says it is the whole message already.
-  void failPeer(int peer, const std::string& reason, bool fullMessage = false);
+  // `fullMessage` says it is the whole message already. `endedStream` >= 0: the
+  // peer ended that stream in order (its end, or its abort notice, came after all
+  // it wrote there), so it is leaving, not cut off; its other streams may still
+  // hold stripes of messages announced before, which other I/O threads read.
+  // Those streams go on reading them to their own end: a message the peer sent
+  // whole before it left completes, one cut short fails when its stream ends.
+  void failPeer(int peer, const std::string& reason, bool fullMessage = false, int endedStream = -1);
+  // Takes a stream out of its I/O thread's epoll set and abandons the stripes it
+  // was reading or had queued; only on that thread.
+  void detachStream(int peer, Stream& s);
   // Tells every connected peer why this rank is aborting (best effort).
   void sendAbortNotices(const std::string& reason);
   void wake();

@@ -75,7 +75,8 @@ void TcpTransport::handleReadable(int peer, int k) {
         const ssize_t n = ::recv(s.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
         if (n < 0 && errno == EINTR) continue;
         if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
-          failPeer(peer, n == 0 ? "the peer closed the connection" : errnoText(errno));
+          if (n == 0) failPeer(peer, "the peer closed the connection", false, k);
+          else failPeer(peer, errnoText(errno));
           return;
         }
         std::lock_guard<std::mutex> lock(s.mutex);
@@ -97,7 +98,8 @@ void TcpTransport::handleReadable(int peer, int k) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n <= 0) {
-      failPeer(peer, n == 0 ? "the peer closed the connection" : errnoText(errno));
+      if (n == 0) failPeer(peer, "the peer closed the connection", false, k);
+      else failPeer(peer, errnoText(errno));
       return;
     }
     if (k == 0 && !s.inPayload) {

@@ -294,7 +294,7 @@ void TcpTransport::finishIncoming(int peer, const std::shared_ptr<Inbound>& mess
     // The sender's reason comes without its op prefix (Error::detail()); the
     // receiver's own errors add theirs.
     const std::string reason = abortReasonText(p.abortText.data(), p.abortText.size());
-    failPeer(peer, strCat(rankName(peer), " aborted the group: ", reason), true);
+    failPeer(peer, strCat(rankName(peer), " aborted the group: ", reason), true, 0);  // notices come on stream 0
     return;
   }
   if (message->discarding) return;  // its receive failed when the header arrived
@@ -332,8 +332,54 @@ void TcpTransport::finishIncoming(int peer, const std::shared_ptr<Inbound>& mess
   }
 }
 
-void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessage) {
+void TcpTransport::detachStream(int peer, Stream& s) {
   Peer& p = *peers_[peer];
+  s.detached = true;
+  if (s.fd >= 0) epoll_ctl(io_[s.thread].epollFd, EPOLL_CTL_DEL, s.fd, nullptr);
+  std::deque<Stripe> queued;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.stripesClosed = true;
+    queued.swap(s.stripes);
+  }
+  std::shared_ptr<Inbound> current = std::move(s.current.message);
+  s.current = Stripe{};
+  s.inPayload = false;
+  s.headerGot = 0;
+  s.got = 0;
+  if (current) dropStripe(peer, current);
+  for (auto& stripe : queued) dropStripe(peer, stripe.message);
+  if (s.index == 0) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (p.parked) {
+      p.parked = false;
+      --parkedPeers_;
+    }
+  }
+}
+
+void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessage, int endedStream) {
+  Peer& p = *peers_[peer];
+  const bool leaving = endedStream >= 0;
+  if (leaving && endedStream > 0) {
+    // Headers come on stream 0 only: until it ends, the peer may still announce
+    // (and send whole) messages there. Only this stream is done; a stripe it
+    // was reading, or is yet to be given, is lost with it.
+    bool failed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      failed = !p.failure.empty();
+    }
+    if (!failed) {
+      Stream& s = *p.streams[endedStream];
+      {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        if (s.fd >= 0) ::shutdown(s.fd, SHUT_RDWR);
+      }
+      detachStream(peer, s);  // called by its own I/O thread
+      return;
+    }
+  }
   std::vector<RequestPtr> failed;
   std::string message;
   {
@@ -346,8 +392,10 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
     // Complete messages stay deliverable; partial ones are lost with the peer.
     // An I/O thread may still be reading one (off that thread): a receive that
     // claimed it fails now and is detached, so the rest of the message is
-    // dropped and never copied into that receive's buffer.
-    for (auto it = p.unexpected.begin(); it != p.unexpected.end();) {
+    // dropped and never copied into that receive's buffer. A peer that is
+    // leaving had written them whole or not: they complete, or fail when the
+    // stream that carries their rest ends (failLostMessage).
+    for (auto it = p.unexpected.begin(); it != p.unexpected.end() && !leaving;) {
       Unexpected& u = **it;
       if (u.complete) {
         ++it;
@@ -360,13 +408,14 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
       it = p.unexpected.erase(it);
     }
   }
-  // Every stream: nothing more is written, and reads see the end.
+  // Every stream: nothing more is written, and reads see the end (a leaving
+  // peer's other streams: once it closes them, after what they still carry).
   for (auto& streamPtr : p.streams) {
     Stream& s = *streamPtr;
     std::lock_guard<std::mutex> lock(s.mutex);
     for (auto& send : s.sendQueue) failed.push_back(send.message->request);
     s.sendQueue.clear();
-    if (s.fd >= 0) ::shutdown(s.fd, SHUT_RDWR);
+    if (s.fd >= 0) ::shutdown(s.fd, leaving && s.index != endedStream ? SHUT_WR : SHUT_RDWR);
   }
   // Each I/O thread gives up the receives in progress on the streams it owns
   // (a stripe's receive fails once no stream writes into it); the others are
@@ -375,28 +424,15 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
   for (auto& streamPtr : p.streams) {
     Stream& s = *streamPtr;
     if (thread < 0 || s.thread != thread || s.detached) continue;
-    s.detached = true;
-    if (s.fd >= 0) epoll_ctl(io_[thread].epollFd, EPOLL_CTL_DEL, s.fd, nullptr);
-    std::deque<Stripe> queued;
-    {
-      std::lock_guard<std::mutex> lock(s.mutex);
-      s.stripesClosed = true;
-      queued.swap(s.stripes);
-    }
-    std::shared_ptr<Inbound> current = std::move(s.current.message);
-    s.current = Stripe{};
-    s.inPayload = false;
-    s.headerGot = 0;
-    s.got = 0;
-    if (current) dropStripe(peer, current);
-    for (auto& stripe : queued) dropStripe(peer, stripe.message);
-    if (s.index == 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (p.parked) {
-        p.parked = false;
-        --parkedPeers_;
+    if (leaving && s.index != endedStream) {
+      bool carrying = s.current.message != nullptr;  // this thread's own reading state
+      {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        carrying = carrying || !s.stripes.empty();
       }
+      if (carrying) continue;  // read on; its end detaches it
     }
+    detachStream(peer, s);
   }
   if (thread < 0) wake();
   for (auto& r : failed)

@@ -759,6 +759,38 @@ void lostPeerFailsEveryStream() {
   expect(waitOk(r) && waitOk(s) && got == 11, "the survivors still talk over their own streams");
 }
 
+// A peer that sends a striped message whole and then leaves (abort notice on stream
+// 0, then its sockets close) must not take that message with it: the notice can be
+// read before the message's other stripes are (another stream, maybe another I/O
+// thread). Made certain here: the receiver holds no unexpected bytes, so stream 0
+// waits unread at the header until the receive is posted, and its one I/O thread
+// then reads stripe 0 and the notice before it turns to stream 1. A pytorch rank
+// that leaves right after its last all-reduce (destroy_process_group) did this to
+// its peers' last call with 2 streams per peer.
+void leavingPeerStillDeliversWhatItSent() {
+  MemoryStore store(kStoreTimeout);
+  TcpOptions options;
+  options.socketsPerPeer = 2;
+  options.ioThreads = 1;
+  options.maxUnexpectedBytes = 0;
+  auto transports = mesh(2, store, {}, options);
+  const auto sent = pattern(160 << 10, 5);  // two stripes of 80 KiB
+  std::vector<char> received(sent.size());
+  auto send = transports[1]->isend(0, 3, sent.data(), sent.size());
+  expect(waitOk(send), "the sender's striped message is all written before it leaves");
+  transports[1]->abort("the process group was shut down");
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // message, notice and ends all arrived
+  auto recv = transports[0]->irecv(1, 3, received.data(), received.size());
+  expect(waitOk(recv) && received == sent,
+         "a message the peer sent whole before leaving arrives whole: " + recv->error());
+  int one = 0;
+  auto later = transports[0]->irecv(1, 4, &one, sizeof(one));
+  later->waitUntil(Clock::now() + std::chrono::seconds(10));
+  expect(later->failed() && later->error().find("rank 1 aborted the group: the process group was shut down") !=
+                                std::string::npos,
+         "a receive for what it never sent fails with its reason: " + later->error());
+}
+
 }  // namespace
 
 int main() {
@@ -778,6 +810,7 @@ int main() {
   stripedStreamsKeepEveryMessage();
   unexpectedBudgetKeepsEveryMessage(3, 2, (768 << 10) + 1);
   lostPeerFailsEveryStream();
+  leavingPeerStillDeliversWhatItSent();
   std::cout << (failures == 0 ? "all passed" : "FAILURES: " + std::to_string(failures)) << std::endl;
   return failures == 0 ? 0 : 1;
 }
