@@ -26,7 +26,11 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
     }
   }
   // One stripe per stream, queued on all of them under postMutex, so every
-  // stream carries the messages in the same order.
+  // stream carries the messages in the same order. The caller writes stream 0's
+  // stripe itself when nothing is queued ahead of it (no hand-off for a small
+  // message); the other stripes are queued first and left to their streams' I/O
+  // threads, so a striped message is written by several threads at once rather
+  // than by the caller one stripe after another.
   const int count = stripeCount(bytes, socketsPerPeer_);
   auto message = std::make_shared<Outbound>();
   message->request = request;
@@ -39,7 +43,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
   {
     Peer& p = *peers_[peer];
     std::lock_guard<std::mutex> postLock(p.postMutex);
-    for (int i = 0; i < count && error.empty() && !closed; ++i) {
+    for (int i = count - 1; i >= 0 && error.empty() && !closed; --i) {
       Stream& s = *p.streams[i];
       const size_t offset = stripeOffset(bytes, count, i);
       std::lock_guard<std::mutex> lock(s.mutex);
@@ -49,7 +53,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
       }
       s.sendQueue.push_back({message, WireHeader{kDataMagic, 0, tag, bytes}, i == 0, payload + offset,
                              stripeOffset(bytes, count, i + 1) - offset, 0});
-      if (s.sendQueue.size() == 1) error = flushSends(peer, s, done);
+      if (i == 0 && s.sendQueue.size() == 1) error = flushSends(peer, s, done);
       if (error.empty() && !s.sendQueue.empty() && !s.writeArmed) armWrite(s, true);
     }
   }
