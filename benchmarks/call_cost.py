@@ -104,6 +104,29 @@ def _worker(rank, world, args, port, queue):
     dist.destroy_process_group()
 
 
+def _collect(queue, procs, deadline: float):
+    """Every rank's row, sorted by rank; None as soon as a rank has exited without
+    reporting (its peers would otherwise be waited for until the deadline)."""
+    import queue as queues
+
+    rows = []
+    while len(rows) < len(procs):
+        try:
+            rows.append(queue.get(timeout=0.5))
+        except queues.Empty:
+            reported = {row[0] for row in rows}
+            if any(p.exitcode is not None and r not in reported for r, p in enumerate(procs)):
+                # It may have reported just before it exited.
+                try:
+                    rows.append(queue.get(timeout=1))
+                    continue
+                except queues.Empty:
+                    return None
+            if time.monotonic() > deadline:
+                raise TimeoutError("call_cost: the ranks did not report in time")
+    return sorted(rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--algo", default="sharded", help="PYCOMM_ALGO (default sharded)")
@@ -125,7 +148,11 @@ def main(argv=None) -> int:
     for p in procs:
         p.start()
     try:
-        rows = sorted(queue.get(timeout=300) for _ in procs)
+        rows = _collect(queue, procs, deadline=time.monotonic() + 300)
+        if rows is None:
+            print("call_cost: a rank exited before reporting: exit codes "
+                  f"{[p.exitcode for p in procs]} (its error is above)", file=sys.stderr)
+            return 1
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -571,6 +571,13 @@ def test_call_cost_script_reports_every_rank(tmp_path):
     assert all("arrived before their receive" in line and "sys" in line for line in lines), proc.stdout
     bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr
+    # Ranks that fail (here: an algorithm that does not exist) end the script at once,
+    # rather than leaving it waiting 300 s for their reports.
+    start = time.monotonic()
+    failed = subprocess.run([sys.executable, script, "--algo", "nosuch", "--mib", "1", "--iters", "1"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1 and "exited before reporting" in failed.stderr, _describe(failed)
+    assert "PYCOMM_ALGO='nosuch'" in failed.stderr and time.monotonic() - start < 60, _describe(failed)
 
 
 @requires_backend
