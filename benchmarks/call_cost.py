@@ -9,9 +9,9 @@ such a message and copies it out later).
 --threads adds, per rank, each thread's time on a CPU per call and as a share of the
 call's wall time, by thread name (pycomm names its own: pycomm-io<k> for the TCP
 transport's I/O threads, pycomm-worker for the group's worker, pycomm-done for the
-completion threads; a blocking call runs on the caller's thread, "caller"), and how much of
-that time was in the kernel (socket copies are). A thread near 100%
-is the one that sets the pace.
+completion threads; a blocking call runs on the caller's thread, "caller"), and how
+much of that time was in the kernel (socket copies are). A thread near 100% is the
+one that sets the pace.
 
 Ranks are spawned on this host and talk over TCP (PYCOMM_TRANSPORT=tcp, loopback),
 each with one torch thread; the figures are per call, averaged over --iters calls
