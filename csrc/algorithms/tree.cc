@@ -11,7 +11,7 @@
 // child sends as fast as it reduces, and a parent that falls behind (the root,
 // reducing k children's segments) gets most of them before their receives: the
 // TCP transport then buffers them (a 64 MiB call on 4 ranks over loopback
-// buffered 107 MiB per call at the root). Messages of at most kReduceWindow
+// buffered 100-111 MiB per call at the root). Messages of at most kReduceWindow
 // segments need no credit, so the small ones the tree is chosen for cost the same.
 #include <algorithm>
 #include <vector>

@@ -15,6 +15,7 @@
 // rest only on the parent's credits, so nothing else may be buffered.
 // Built and run by tests/test_placement_cpp.py; one line per check.
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -89,6 +90,38 @@ class HeldSends : public Transport {
   std::thread releaser_;
 };
 
+// `n` TCP ranks in this process, connected in parallel (their constructors rendezvous).
+std::vector<std::unique_ptr<TcpTransport>> connectRanks(int n, MemoryStore& store, const std::string& prefix) {
+  std::vector<std::unique_ptr<TcpTransport>> transports(n);
+  std::vector<std::thread> threads;
+  TcpOptions options;
+  options.storePrefix = prefix;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] { transports[r] = std::make_unique<TcpTransport>(r, n, store, options); });
+  for (auto& t : threads) t.join();
+  return transports;
+}
+
+// Runs body(r) for every rank on its own thread, rank k starting (n - 1 - k) x
+// 200 ms after rank n - 1 (rank 0 last); returns each rank's outcome: "returned",
+// or what it threw.
+std::vector<std::string> runStaggered(int n, const std::function<void(int)>& body) {
+  std::vector<std::string> outcome(n);
+  std::vector<std::thread> threads;
+  for (int r = n - 1; r >= 0; --r)
+    threads.emplace_back([&, r] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200) * (n - 1 - r));
+      try {
+        body(r);
+        outcome[r] = "returned";
+      } catch (const std::exception& e) {
+        outcome[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return outcome;
+}
+
 // The sharded all-reduce on `n` ranks; rank k starts (n - 1 - k) x 200 ms after
 // the last one, so the reduce-scatter data a rank sends to ranks that have not
 // started yet is buffered there: that, and nothing else, may be. Rank 0, the last
@@ -97,15 +130,7 @@ class HeldSends : public Transport {
 void sharded(int n) {
   constexpr size_t kCount = 1 << 20;  // floats: 4 MiB, several 256 KiB segments per block
   MemoryStore store(std::chrono::seconds(20));
-  std::vector<std::unique_ptr<TcpTransport>> transports(n);
-  {
-    std::vector<std::thread> threads;
-    TcpOptions options;
-    options.storePrefix = strCat("sharded", n, "/");
-    for (int r = 0; r < n; ++r)
-      threads.emplace_back([&, r] { transports[r] = std::make_unique<TcpTransport>(r, n, store, options); });
-    for (auto& t : threads) t.join();
-  }
+  auto transports = connectRanks(n, store, strCat("sharded", n, "/"));
   // What may arrive early: halving-doubling (power of two) sends a rank's partner
   // at distance n/2 half the buffer first; the direct exchange sends every peer
   // its shard.
@@ -126,25 +151,14 @@ void sharded(int n) {
   if (n == 4) early += kCount / 4 * sizeof(float);
   const uint64_t bufferedBefore = Stats::instance().buffered();
   std::vector<std::vector<float>> data(n);
-  std::vector<std::string> outcome(n);
-  std::vector<std::thread> threads;
-  for (int r = n - 1; r >= 0; --r) {
-    threads.emplace_back([&, r] {
-      data[r].assign(kCount, static_cast<float>(r + 1));
-      std::this_thread::sleep_for(std::chrono::milliseconds(200) * (n - 1 - r));
-      try {
-        std::unique_ptr<HeldSends> held;
-        if (r == 0) held = std::make_unique<HeldSends>(*transports[0], std::chrono::milliseconds(300));
-        Comm comm(held ? static_cast<Transport&>(*held) : *transports[r], std::chrono::seconds(20), 256 << 10);
-        comm.begin("allreduce");
-        allreduceSharded(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum);
-        outcome[r] = "returned";
-      } catch (const std::exception& e) {
-        outcome[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) data[r].assign(kCount, static_cast<float>(r + 1));
+  const std::vector<std::string> outcome = runStaggered(n, [&](int r) {
+    std::unique_ptr<HeldSends> held;
+    if (r == 0) held = std::make_unique<HeldSends>(*transports[0], std::chrono::milliseconds(300));
+    Comm comm(held ? static_cast<Transport&>(*held) : *transports[r], std::chrono::seconds(20), 256 << 10);
+    comm.begin("allreduce");
+    allreduceSharded(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum);
+  });
   const uint64_t buffered = Stats::instance().buffered() - bufferedBefore;
   const float sum = static_cast<float>(n * (n + 1) / 2);
   bool correct = true, returned = true;
@@ -171,36 +185,17 @@ void treeReduce(int n) {
   constexpr size_t kSegment = 256 << 10;
   constexpr size_t kWindow = 8;  // tree.cc's kReduceWindow
   MemoryStore store(std::chrono::seconds(20));
-  std::vector<std::unique_ptr<TcpTransport>> transports(n);
-  {
-    std::vector<std::thread> threads;
-    TcpOptions options;
-    options.storePrefix = strCat("tree", n, "/");
-    for (int r = 0; r < n; ++r)
-      threads.emplace_back([&, r] { transports[r] = std::make_unique<TcpTransport>(r, n, store, options); });
-    for (auto& t : threads) t.join();
-  }
+  auto transports = connectRanks(n, store, strCat("tree", n, "/"));
   // Every rank but the root has a parent that starts after it.
   const uint64_t early = static_cast<uint64_t>(n - 1) * kWindow * kSegment;
   const uint64_t bufferedBefore = Stats::instance().buffered();
   std::vector<std::vector<float>> data(n);
-  std::vector<std::string> outcome(n);
-  std::vector<std::thread> threads;
-  for (int r = n - 1; r >= 0; --r) {
-    threads.emplace_back([&, r] {
-      data[r].assign(kCount, static_cast<float>(r + 1));
-      std::this_thread::sleep_for(std::chrono::milliseconds(200) * (n - 1 - r));
-      try {
-        Comm comm(*transports[r], std::chrono::seconds(20), kSegment);
-        comm.begin("reduce");
-        reduceTree(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum, 0);
-        outcome[r] = "returned";
-      } catch (const std::exception& e) {
-        outcome[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) data[r].assign(kCount, static_cast<float>(r + 1));
+  const std::vector<std::string> outcome = runStaggered(n, [&](int r) {
+    Comm comm(*transports[r], std::chrono::seconds(20), kSegment);
+    comm.begin("reduce");
+    reduceTree(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum, 0);
+  });
   const uint64_t buffered = Stats::instance().buffered() - bufferedBefore;
   const float sum = static_cast<float>(n * (n + 1) / 2);
   bool returned = true;
