@@ -17,7 +17,13 @@
 #      (benchmarks/call_cost.py --threads, loopback, 2 and 4 ranks, 64 MiB), by default and
 #      with 2 streams and 2 I/O threads: is one thread (the I/O thread, the caller that
 #      reduces) busy all the time, with cores to spare?
-# SCALE_STEPS picks steps 2-8 by name (default: cuda,hosts,compression,hosts-1gbit,cpu-tests).
+#   9. (only when SCALE_STEPS names it) ab: a change against its base in one call. The
+#      base is a copy of the older tree in $SCALE_BASE (default .base, carried like .ipr;
+#      made here with `git archive BASE setup.py csrc pycomm benchmarks/call_cost.py |
+#      tar -x -C .base`), built beside this one; then, alternating base and change
+#      $SCALE_AB_REPS times (default 2): call_cost.py --threads for the ring on 4 and 2
+#      ranks (64 MiB, loopback) and pycomm-bench --hosts 4 and 2, ring, 16 and 64 MiB.
+# SCALE_STEPS picks steps 2-9 by name (default: cuda,hosts,compression,hosts-1gbit,cpu-tests).
 # Logs go to /tmp/scale-logs and, packed after every step, to $1/scale.tar.gz (default
 # $1: $OUT, else .): the device tool brings back at most 8 files, and what a step killed
 # at the call's limit had written still comes back. SCALE_NO_BUILD=1 uses the extension
@@ -126,6 +132,31 @@ if want threads; then
       echo "## ranks $r ${knobs:-defaults}" | tee -a "$out/threads.txt"
       env $knobs timeout $(left 90) python3 benchmarks/call_cost.py --algo ring --mib 64 --ranks $r --iters 20 \
         --threads 2>&1 | tee -a "$out/threads.txt"
+    done
+  done
+fi
+
+if want ab; then
+  base=$PWD/${SCALE_BASE:-.base}
+  step "ab: build the base ($base)"
+  (cd "$base" && rm -rf build pycomm/_C*.so && PYCOMM_BUILD_CUDA=0 MAX_JOBS=${MAX_JOBS:-16} \
+    python3 setup.py build_ext --inplace > "$out/build_base.log" 2>&1) || { tail -20 "$out/build_base.log"; pack; exit 1; }
+  for rep in $(seq "${SCALE_AB_REPS:-2}"); do
+    for side in base change; do
+      dir=$PWD; [ $side = base ] && dir=$base
+      for r in 4 2; do
+        step "ab $rep $side: call_cost ring $r ranks"
+        echo "## rep $rep $side ranks $r" >> "$out/ab_threads.txt"
+        (cd "$dir" && PYTHONPATH=$dir timeout $(left 60) python3 benchmarks/call_cost.py --algo ring --mib 64 \
+          --ranks $r --iters 20 --threads) >> "$out/ab_threads.txt" 2>&1
+        tail -$((2 * r)) "$out/ab_threads.txt" | grep -E "^rank [0-9]+:" | sed -E 's/, (user|minor|voluntary|involuntary)[^,]*//g'
+      done
+      for h in 4 2; do
+        step "ab $rep $side: pycomm-bench --hosts $h"
+        (cd "$dir" && PYTHONPATH=$dir timeout $(left 60) python3 -m pycomm.bench --hosts $h -b 16M -e 64M -f 4 \
+          --algos ring --peer none) > "$out/ab_${side}_${rep}_hosts$h.txt" 2>&1
+        echo "exit $?"; grep -E "raw TCP,|^ +[0-9]+ " "$out/ab_${side}_${rep}_hosts$h.txt" | sed -E 's/\(each rank.*\): //'
+      done
     done
   done
 fi

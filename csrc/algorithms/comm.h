@@ -21,6 +21,9 @@ namespace pycomm {
 // Tags: collectives set the top bit (plus a per-group sequence number); user
 // point-to-point tags never do.
 constexpr uint64_t kCollectiveTagBit = 1ull << 63;
+// A collective's flow-control credits travel on its tag plus this bit, so they
+// never match its data, in whatever order the two cross.
+constexpr uint64_t kCreditTagBit = 1ull << 61;
 
 class Comm {
  public:
@@ -76,6 +79,11 @@ class Comm {
   RequestPtr recv(int peer, void* data, size_t bytes) {
     return transport_.irecv(peer, tag_, data, bytes);
   }
+  // A credit: a 0-byte message telling `peer` that receives it may now fill
+  // are posted (flow control: what the sender holds back is not buffered as
+  // unexpected at a receiver that is behind). Matched in order among credits.
+  RequestPtr sendCredit(int peer) { return transport_.isend(peer, tag_ | kCreditTagBit, &creditByte_, 0); }
+  RequestPtr recvCredit(int peer) { return transport_.irecv(peer, tag_ | kCreditTagBit, &creditByte_, 0); }
   // Waits before the deadline; throws a timeout (naming the peer) or the
   // request's failure, prefixed with the op.
   void wait(const RequestPtr& request);
@@ -125,6 +133,7 @@ class Comm {
   std::unique_ptr<Comm> leaderComm_;
   std::vector<std::unique_ptr<char[]>> scratch_;
   std::vector<size_t> scratchBytes_;
+  char creditByte_ = 0;  // where 0-byte credits point; nothing is ever written to it
 };
 
 // What an arena collective posts with each step (ShmArena::Call): the

@@ -43,7 +43,6 @@ TreeNode binomialNode(int rank, int size, int root) {
 }
 
 constexpr size_t kReduceWindow = 8;  // segments in flight per child (2 MiB at 256 KiB)
-char creditByte;                     // where 0-byte credits "land"
 
 }  // namespace
 
@@ -90,13 +89,13 @@ void reduceTree(Comm& comm, void* acc, size_t count, DataType dtype, ReduceOp op
   auto post = [&](size_t child, size_t j) {
     recvs[child][j % kReduceWindow] = comm.recv(node.children[child], slot(child, j), length(j) * elementBytes);
     // Posted first: the segment this credit releases can only land in place.
-    if (j >= kReduceWindow) sends.push_back(comm.send(node.children[child], &creditByte, 0));
+    if (j >= kReduceWindow) sends.push_back(comm.sendCredit(node.children[child]));
   };
   for (size_t c = 0; c < children; ++c)
     for (size_t j = 0; j < std::min(rounds, kReduceWindow); ++j) post(c, j);
   std::vector<RequestPtr> credits;  // from the parent, for segments kReduceWindow and on
   if (node.parent >= 0)
-    for (size_t j = kReduceWindow; j < rounds; ++j) credits.push_back(comm.recv(node.parent, &creditByte, 0));
+    for (size_t j = kReduceWindow; j < rounds; ++j) credits.push_back(comm.recvCredit(node.parent));
 
   for (size_t j = 0; j < rounds; ++j) {
     for (size_t c = 0; c < children; ++c) {

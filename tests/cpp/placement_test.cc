@@ -13,6 +13,11 @@
 // The tree reduce on 4 and 5 ranks, every parent starting after its children:
 // a child may send the first window of segments before its parent posts, and the
 // rest only on the parent's credits, so nothing else may be buffered.
+//
+// The ring all-reduce on 2, 3 and 4 ranks, each starting after its right
+// neighbour (rank 0 last): a rank sends a step only on its right neighbour's
+// credit, so nothing may be buffered. Before the ring's credits, rank n-1 sent
+// rank 0 a chunk per rank that had started (on 4 ranks 3 of its 6 steps).
 // Built and run by tests/test_placement_cpp.py; one line per check.
 #include <chrono>
 #include <functional>
@@ -176,7 +181,7 @@ void sharded(int n) {
 
 // The tree reduce to rank 0 on `n` ranks, rank k starting (n - 1 - k) x 200 ms
 // after the last one: every parent starts after its children. A child may send
-// its parent the first window (4 segments) before the parent posts anything;
+// its parent the first window (8 segments) before the parent posts anything;
 // the rest it sends only as the parent posts their receives (one credit each).
 // Before credits a child sent everything at once, and a parent that was late
 // (or slow to reduce) had all of it buffered.
@@ -210,6 +215,35 @@ void treeReduce(int n) {
   for (auto& t : transports) t->abort("test done");
 }
 
+// The ring all-reduce on `n` ranks, rank k starting (n - 1 - k) x 200 ms after the
+// last one: rank n-1 sends to rank 0, the last to start, and rank k-1 starts after
+// rank k. Steps of 1 MiB and up are sent only on the receiver's credit.
+void ringAllreduce(int n) {
+  constexpr size_t kCount = 1 << 20;  // floats: 4 MiB, chunks of 1-2 MiB (ring.cc credits from 1 MiB)
+  MemoryStore store(std::chrono::seconds(20));
+  auto transports = connectRanks(n, store, strCat("ring", n, "/"));
+  const uint64_t bufferedBefore = Stats::instance().buffered();
+  std::vector<std::vector<float>> data(n);
+  for (int r = 0; r < n; ++r) data[r].assign(kCount, static_cast<float>(r + 1));
+  const std::vector<std::string> outcome = runStaggered(n, [&](int r) {
+    Comm comm(*transports[r], std::chrono::seconds(20), 256 << 10);
+    comm.begin("allreduce");
+    allreduceRing(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum);
+  });
+  const uint64_t buffered = Stats::instance().buffered() - bufferedBefore;
+  const float sum = static_cast<float>(n * (n + 1) / 2);
+  bool correct = true, returned = true;
+  for (int r = 0; r < n; ++r) {
+    returned = returned && outcome[r] == "returned";
+    for (float v : data[r]) correct = correct && v == sum;
+  }
+  expect(returned && correct, strCat("ring, ", n, " ranks: ", returned ? "every rank returned" : outcome[0],
+                                     ", every element ", correct ? "right" : "WRONG"));
+  expect(buffered == 0, strCat("ring, ", n, " ranks, each started after its right neighbour: ", buffered,
+                               " bytes arrived before their receive (none may)"));
+  for (auto& t : transports) t->abort("test done");
+}
+
 }  // namespace
 
 int main() {
@@ -218,6 +252,9 @@ int main() {
   sharded(3);  // direct exchange
   treeReduce(4);
   treeReduce(5);
+  ringAllreduce(2);
+  ringAllreduce(3);
+  ringAllreduce(4);
   if (failures) {
     std::cout << failures << " check(s) failed" << std::endl;
     return 1;
