@@ -21,9 +21,8 @@ namespace pycomm {
 // Tags: collectives set the top bit (plus a per-group sequence number); user
 // point-to-point tags never do.
 constexpr uint64_t kCollectiveTagBit = 1ull << 63;
-// A collective's flow-control credits travel on its tag plus this bit, so they
-// never match its data, in whatever order the two cross.
-constexpr uint64_t kCreditTagBit = 1ull << 61;
+// A collective's flow-control credits travel on its tag plus kCreditTagBit
+// (transport.h), so they never match its data, in whatever order the two cross.
 
 class Comm {
  public:

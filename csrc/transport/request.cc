@@ -61,4 +61,10 @@ void Request::onComplete(std::function<void()> callback) {
   callback();
 }
 
+std::string tagText(uint64_t tag) {
+  std::string text = std::to_string(tag & (kCreditTagBit - 1));
+  if (tag & kCreditTagBit) text += " (a credit)";
+  return text;
+}
+
 }  // namespace pycomm

@@ -147,19 +147,19 @@ std::string TcpTransport::describePending(int peer) {
     if (u->claim == Unexpected::Claim::kNone) ++unmatched;
   if (unmatched > 0) {
     text = strCat(unmatched, " message(s) from ", rankName(peer),
-                  " arrived that no receive matched (first tag ", p.unexpected.front()->tag & ~(1ull << 63),
+                  " arrived that no receive matched (first tag ", tagText(p.unexpected.front()->tag),
                   ", ", p.unexpected.front()->data.size(), " bytes)");
   } else {
     text = strCat("nothing arrived from ", rankName(peer), " for this operation");
   }
   if (p.parked)
     text += strCat("; ", rankName(peer), " announced a message of ", p.streams[0]->header.bytes, " bytes (tag ",
-                   p.streams[0]->header.tag & ~(1ull << 63),
+                   tagText(p.streams[0]->header.tag),
                    ") that no receive matched; it waits unread, since unexpected messages may hold at most ",
                    maxUnexpectedBytes_, " bytes (", unexpectedBytes_, " held)");
   text += strCat("; ", p.messagesIn.load(), " messages in and ", p.messagesOut.load(),
                  " out with it, ", p.posted.size(), " receive(s) posted");
-  if (!p.posted.empty()) text += strCat(" (first tag ", p.posted.front().tag & ~(1ull << 63), ")");
+  if (!p.posted.empty()) text += strCat(" (first tag ", tagText(p.posted.front().tag), ")");
   return text;
 }
 

@@ -500,6 +500,20 @@ void sizeMismatchIsReported() {
   expect(waitOk(next) && received == 5, "the connection survives a mismatched message");
 }
 
+// A timeout names the receive it waits on by the collective's sequence number;
+// a flow-control credit (kCreditTagBit) says so rather than showing 2^61 + n.
+void pendingCreditIsNamed() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  char byte = 0;
+  auto credit = transports[0]->irecv(1, (1ull << 63) | kCreditTagBit | 7, &byte, 0);
+  const std::string pending = transports[0]->describePending(1);
+  expect(pending.find("1 receive(s) posted (first tag 7 (a credit))") != std::string::npos,
+         "a pending credit is named as one: " + pending);
+  transports[1]->isend(0, (1ull << 63) | kCreditTagBit | 7, &byte, 0);
+  expect(waitOk(credit), "the credit arrives");
+}
+
 void emptyMessagesIntoNullBuffers() {
   MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
@@ -803,6 +817,7 @@ int main() {
   abortNoticeNamesTheFirstFailure();
   sizeMismatchIsReported();
   emptyMessagesIntoNullBuffers();
+  pendingCreditIsNamed();
   receivesPostedWhileTheMessageArrives();
   hugeAnnouncementAllocatesNothing();
   unexpectedBudgetKeepsEveryMessage(1, 1, 768 << 10);
