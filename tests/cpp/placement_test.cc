@@ -127,6 +127,20 @@ std::vector<std::string> runStaggered(int n, const std::function<void(int)>& bod
   return outcome;
 }
 
+// Every rank returned and holds 1 + 2 + ... + n in every element (rank r
+// contributed r + 1): one check line, named `what`.
+void expectSums(const std::string& what, int n, const std::vector<std::string>& outcome,
+                const std::vector<std::vector<float>>& data) {
+  const float sum = static_cast<float>(n * (n + 1) / 2);
+  bool correct = true, returned = true;
+  for (int r = 0; r < n; ++r) {
+    returned = returned && outcome[r] == "returned";
+    for (float v : data[r]) correct = correct && v == sum;
+  }
+  expect(returned && correct, strCat(what, ", ", n, " ranks: ", returned ? "every rank returned" : outcome[0],
+                                     ", every element ", correct ? "right" : "WRONG"));
+}
+
 // The sharded all-reduce on `n` ranks; rank k starts (n - 1 - k) x 200 ms after
 // the last one, so the reduce-scatter data a rank sends to ranks that have not
 // started yet is buffered there: that, and nothing else, may be. Rank 0, the last
@@ -165,14 +179,7 @@ void sharded(int n) {
     allreduceSharded(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum);
   });
   const uint64_t buffered = Stats::instance().buffered() - bufferedBefore;
-  const float sum = static_cast<float>(n * (n + 1) / 2);
-  bool correct = true, returned = true;
-  for (int r = 0; r < n; ++r) {
-    returned = returned && outcome[r] == "returned";
-    for (float v : data[r]) correct = correct && v == sum;
-  }
-  expect(returned && correct, strCat("sharded, ", n, " ranks: ", returned ? "every rank returned" : outcome[0],
-                                     ", every element ", correct ? "right" : "WRONG"));
+  expectSums("sharded", n, outcome, data);
   expect(buffered == early, strCat("sharded, ", n, " ranks, rank 0's sends held: ", buffered,
                                    " bytes arrived before their receive (only the ", early,
                                    " sent before the receiver could post may)"));
@@ -231,14 +238,7 @@ void ringAllreduce(int n) {
     allreduceRing(comm, data[r].data(), kCount, DataType::kFloat32, ReduceOp::kSum);
   });
   const uint64_t buffered = Stats::instance().buffered() - bufferedBefore;
-  const float sum = static_cast<float>(n * (n + 1) / 2);
-  bool correct = true, returned = true;
-  for (int r = 0; r < n; ++r) {
-    returned = returned && outcome[r] == "returned";
-    for (float v : data[r]) correct = correct && v == sum;
-  }
-  expect(returned && correct, strCat("ring, ", n, " ranks: ", returned ? "every rank returned" : outcome[0],
-                                     ", every element ", correct ? "right" : "WRONG"));
+  expectSums("ring", n, outcome, data);
   expect(buffered == 0, strCat("ring, ", n, " ranks, each started after its right neighbour: ", buffered,
                                " bytes arrived before their receive (none may)"));
   for (auto& t : transports) t->abort("test done");
