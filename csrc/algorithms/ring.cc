@@ -15,8 +15,8 @@
 // the receives: the TCP transport buffers it and the late rank copies it out,
 // which keeps it late. Measured on 16 cores, 4 ranks over loopback, 64 MiB: one
 // rank got 92-95 of its 96 MiB per call that way, its calling thread busy 82-99%
-// of the call against 43-59% on the others. Steps under kCreditMinChunkBytes are
-// not worth a message: their data is small to buffer.
+// of the call against 43-59% on the others. A call whose largest chunk is under
+// kCreditMinChunkBytes takes no credits: its steps are small to buffer.
 #include <algorithm>
 #include <vector>
 

@@ -28,6 +28,8 @@ namespace pycomm {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kAnySource = -1;
+// Request::complete's default source rank: the request's own peer().
+constexpr int kSourceIsPeer = -2;
 
 // Tag bits set above the transport (the algorithms' Comm and SubTransport);
 // the transport only shows them: a collective's tag is its sequence number
@@ -35,8 +37,6 @@ constexpr int kAnySource = -1;
 constexpr uint64_t kCreditTagBit = 1ull << 61;
 // A tag as errors print it: the sequence number, then "(a credit)" for one.
 std::string tagText(uint64_t tag);
-// Request::complete's default source rank: the request's own peer().
-constexpr int kSourceIsPeer = -2;
 
 class Request {
  public:
