@@ -22,9 +22,12 @@ Configurations (``--configs``):
 
 * ``dense``: DDP without a comm hook;
 * ``allreduce_hook``: pycomm.hooks.allreduce_hook (the same numbers as dense);
-* ``topk 1% EF``: TopKState(density=0.01) (its defaults: error feedback, owners keep 2 x density);
-  any ``topk D% EF`` with `` owner P%`` / `` owner all`` / `` exact`` / `` noEF`` (_topk_state);
-  ``topk 1% EF owner 1%``: the default before (owners keep density);
+* ``topk 1% EF``: TopKState(density=0.01) (its defaults: error feedback, owners keep 2 x density,
+  bfloat16 values, parameters of fewer than 150 entries averaged apart in 8 bits);
+  any ``topk D% EF`` with `` owner P%`` / `` owner all`` / `` exact`` / `` noEF`` / ... (_topk_state);
+  ``topk 1% EF owner 1%``: owners keep density (the default before owners kept 2 x density);
+  ``topk 1% EF f32 nosmall``: float32 values, every parameter sparsified (the default before
+  the small parameters went apart);
 * ``8-bit EF`` / ``4-bit EF`` / ``1-bit EF``: QuantizeState(bits=8|4|1) (defaults: block 256,
   stochastic rounding for 8/4 bits, error feedback).
 
@@ -117,7 +120,10 @@ def _register(ddp, name, group=None):
 def _topk_state(name, group=None):
     """TopKState from a config name: "topk D% EF" (the defaults but density), then any of
     " owner P%" / " owner all" (owner_density P / 0), " exact", " noEF", " fused"
-    (schedule="step"), " small-dense" (min_compression_rate 45)."""
+    (schedule="step"), " small-dense" (min_compression_rate 45, exact), " small8" / " small4"
+    (min_compression_rate 45, small_bits 8 / 4), " bf16" / " f32" (value_dtype), " nosmall"
+    (min_compression_rate 0). "topk 1% EF f32 nosmall" is the default state before the
+    tiny LM's fix (docs/compression.md)."""
     from pycomm import hooks
 
     words = name.split()
@@ -131,8 +137,19 @@ def _topk_state(name, group=None):
         kwargs["owner_density"] = 0.0 if value == "all" else float(value.rstrip("%")) / 100
     if "fused" in words:  # one sparse all-reduce per step (TopKState(schedule="step"))
         kwargs["schedule"] = "step"
-    if "small-dense" in words:  # min_compression_rate 45: here the biases go dense (the MLP's 512/10-element ones)
+    if "small-dense" in words:  # min_compression_rate 45, exact: the small biases and norms in float32
         kwargs["min_compression_rate"] = 45.0
+        kwargs["small_bits"] = None
+    if "nosmall" in words:  # every parameter sparsified (min_compression_rate 0, the default before)
+        kwargs["min_compression_rate"] = 0.0
+    if "f32" in words:  # float32 values on the wire (the default before)
+        kwargs["value_dtype"] = "float32"
+    for bits in (8, 4):  # " small8" / " small4": those small parameters quantized (TopKState(small_bits=...))
+        if f"small{bits}" in words:
+            kwargs["min_compression_rate"] = 45.0
+            kwargs["small_bits"] = bits
+    if "bf16" in words:  # bfloat16 values on the wire (TopKState(value_dtype="bfloat16"))
+        kwargs["value_dtype"] = "bfloat16"
     return hooks.TopKState(group, **kwargs)
 
 
@@ -628,7 +645,7 @@ def main(argv=None) -> int:
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="comma-separated configs to run (default: every one in CONFIGS; top-k names also "
-                             "take ' owner P%%' / ' owner all', ' exact', ' noEF', ' fused', ' small-dense'); "
+                             "take ' owner P%%' / ' owner all', ' exact', ' noEF', ' fused', ' small-dense', ' small8', ' small4', ' bf16', ' f32', ' nosmall'); "
                              "must include dense")
     parser.add_argument("--tasks", default=DEFAULT_TASKS,
                         help=f"comma-separated tasks ({', '.join(TASKS)}); default {DEFAULT_TASKS}")
@@ -701,7 +718,10 @@ def main(argv=None) -> int:
         "shrink with the world size. top-k: phase-1 pairs are the top 1% of each parameter; each owner keeps "
         "the top 2% of its reduced chunk (TopKState's default owner_density, 2 x density; 'owner 1%': 1%, the "
         "default before) and feeds the rest back through its residual; indices "
-        "travel as LEB128 varint gaps, values as float32. Accuracy: one test sample is 0.34 points on digits "
+        "travel as LEB128 varint gaps, values as bfloat16 (TopKState's default value_dtype; 'f32': float32); "
+        "parameters of which 1% is fewer than 1.5 entries (fewer than 150 elements) are averaged apart in "
+        "pycomm's 8-bit quantized all-reduce with error feedback (TopKState's defaults min_compression_rate=None, "
+        "small_bits=8; 'nosmall': every parameter sparsified, 'small-dense': R = 45 in float32). Accuracy: one test sample is 0.34 points on digits "
         "(297 samples); tinylm scores next-character accuracy over its 187 test windows of 32 characters.",
         "",
         "## Targets",

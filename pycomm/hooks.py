@@ -441,9 +441,11 @@ class TopKState(_CompressionState):
     ``seed``: seeds the threshold sampling.
     ``exchange``: ``"auto"`` (pycomm's sparse all-reduce on pycomm groups, all_gather
     elsewhere) or ``"allgather"`` (all_gather everywhere).
-    ``value_dtype``: values on the wire of the sparse all-reduce, ``"float32"``,
-    ``"float16"`` or ``"bfloat16"``; None: the bucket's dtype (float32 unless a 16-bit
-    wrapper cast it). Wire rounding goes into the residual.
+    ``value_dtype``: values on the wire of the sparse all-reduce, ``"bfloat16"``
+    (default), ``"float16"`` or ``"float32"``; None: the bucket's dtype (float32 unless a
+    16-bit wrapper cast it). Wire rounding goes into the residual. (float32 was the
+    default before: bfloat16 sends about a third fewer bytes per pair, which pays for
+    ``small_bits``; docs/compression.md, *The tiny LM within a point*.)
     ``owner_density``: on the sparse all-reduce, each chunk owner sends back the top
     ``owner_density`` of its reduced chunk (None: ``2 * density``, at most 1; 0: every
     nonzero entry, the exact sum of all ranks' selections); what it drops goes into its
@@ -460,24 +462,35 @@ class TopKState(_CompressionState):
     from the last bucket (fewer rounds; no overlap with backward). Same numbers either way.
     ``min_compression_rate`` (sparse all-reduce only): a parameter whose dense bytes are
     below ``min_compression_rate`` times its top-k pairs' bytes is not sparsified but
-    averaged exactly, all such parameters of a bucket (of a step, with ``schedule="step"``)
-    in one dense all-reduce (:meth:`compressed` states the rule); its residual becomes zero.
-    0 (default): every parameter is sparsified."""
+    averaged apart, all such parameters of a bucket (of a step, with ``schedule="step"``)
+    in one all-reduce (:meth:`compressed` states the rule). None (default): a parameter
+    of which top-k would send fewer than 1.5 entries per step (``density * numel <
+    1.5``; at 1%, fewer than 150 entries: LayerNorm gains, biases) is averaged apart;
+    top-k would update such a parameter one entry at a time, each about every
+    ``numel`` steps. On the all_gather exchange None sparsifies every parameter.
+    0: every parameter is sparsified.
+    ``small_bits``: how the parameters averaged apart travel: 8 (default) or 4 through
+    pycomm's two-phase quantized all-reduce (blocks of 256, stochastic rounding, the
+    error into their residuals when ``error_feedback``); None exactly, in one float32
+    all-reduce (their residuals become zero), at 4 or 8 times the bytes."""
 
     _kind = "topk"
     _op = "topk_hook"
 
     def __init__(self, process_group=None, density: float = 0.01, error_feedback: bool = True,
                  warmup_steps: int = 0, exact: bool = False, *, seed: int = 0,
-                 exchange: str = "auto", value_dtype: Optional[str] = None,
+                 exchange: str = "auto", value_dtype: Optional[str] = "bfloat16",
                  owner_density: Optional[float] = None, momentum: float = 0.0,
-                 schedule: str = "bucket", min_compression_rate: float = 0.0):
+                 schedule: str = "bucket", min_compression_rate: Optional[float] = None,
+                 small_bits: Optional[int] = 8):
         density = float(density)
         if schedule not in _SCHEDULES:
             raise ValueError(f"pycomm topk_hook: schedule must be one of {', '.join(_SCHEDULES)} "
                              f"(got {schedule!r})")
-        if not float(min_compression_rate) >= 0.0:
+        if min_compression_rate is not None and not float(min_compression_rate) >= 0.0:
             raise ValueError(f"pycomm topk_hook: min_compression_rate must be >= 0 (got {min_compression_rate!r})")
+        if small_bits not in (None, 8, 4):
+            raise ValueError(f"pycomm topk_hook: small_bits must be None, 8 or 4 (got {small_bits!r})")
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"pycomm topk_hook: momentum must be in [0, 1) (got {momentum!r})")
         if not 0.0 < density <= 1.0:
@@ -494,7 +507,8 @@ class TopKState(_CompressionState):
         self.owner_density = min(1.0, 2.0 * density) if owner_density is None else float(owner_density)
         self.momentum = float(momentum)
         self.schedule = schedule
-        self.min_compression_rate = float(min_compression_rate)
+        self.min_compression_rate = None if min_compression_rate is None else float(min_compression_rate)
+        self.small_bits = small_bits
         self._pending: List["_PendingBucket"] = []  # schedule="step": this step's buckets so far
         self._layout: Optional[Tuple[tuple, ...]] = None  # the last complete step's bucket layout
         self._seen: List[tuple] = []  # this step's bucket layouts so far (learns _layout)
@@ -504,15 +518,21 @@ class TopKState(_CompressionState):
                 "warmup_steps": self.warmup_steps, "exchange": self.exchange,
                 "value_dtype": self.value_dtype, "owner_density": self.owner_density,
                 "momentum": self.momentum, "schedule": self.schedule,
-                "min_compression_rate": self.min_compression_rate}
+                "min_compression_rate": self.min_compression_rate, "small_bits": self.small_bits}
 
     def compressed(self, numel: int, element_bytes: int = 4, value_bytes: int = 4) -> bool:
-        """Whether a parameter of ``numel`` elements is sparsified (else it is averaged
-        exactly, in one dense all-reduce with the bucket's other small parameters): its
-        dense bytes must be at least ``min_compression_rate`` times its top-k pairs' bytes,
-        ``numel * element_bytes >= min_compression_rate * k * (4 + value_bytes)`` with
-        ``k = ceil(density * numel)``. 0 (the default) sparsifies every parameter."""
-        if self.min_compression_rate <= 0.0 or numel == 0:
+        """Whether a parameter of ``numel`` elements is sparsified on the sparse all-reduce
+        (else it is averaged apart, in one all-reduce with the bucket's other small
+        parameters, as ``small_bits`` says). With ``min_compression_rate`` None (the
+        default): when ``density * numel >= 1.5``. Otherwise: when its dense bytes are at
+        least ``min_compression_rate`` times its pairs' bytes, ``numel * element_bytes >=
+        min_compression_rate * k * (4 + value_bytes)`` with ``k = ceil(density * numel)``
+        (at least one); 0 sparsifies every parameter."""
+        if numel == 0:
+            return True
+        if self.min_compression_rate is None:
+            return self.density * numel >= _SPARSE_MIN_ENTRIES
+        if self.min_compression_rate <= 0.0:
             return True
         k = topk_count(numel, self.density)
         return numel * element_bytes >= self.min_compression_rate * k * (4 + value_bytes)
@@ -570,7 +590,7 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket, "topk")
     if done is not None:
         return done
-    if state.min_compression_rate > 0:
+    if state.min_compression_rate:  # None (the default rule) sparsifies every parameter here
         raise ValueError("pycomm topk_hook: min_compression_rate needs the sparse all-reduce of a pycomm group "
                          "(exchange='auto'); the all_gather exchange sparsifies every parameter")
     index_parts, value_parts = [], []
@@ -716,6 +736,9 @@ def _averaged_into(buffer: torch.Tensor, world: int):
 
 
 _WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_SPARSE_MIN_ENTRIES = 1.5  # TopKState(min_compression_rate=None): sparsified when density * numel >= this
+_SMALL_BLOCK = 256  # TopKState(small_bits=...): elements per scale of the small parameters' all-reduce
+_SMALL_SEED = 0x5347  # mixed into that all-reduce's rounding seed (apart from the selections')
 
 
 def _wire_dtype(state: TopKState, buffer: torch.Tensor) -> str:
@@ -753,8 +776,8 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
             g = state._velocity(ordinal, g, state.momentum)
         e = e_all[offset: offset + n]
         if not compressed:
-            dense.append((base + offset, g + e))
-            e.zero_()
+            dense.append((base + offset, g + e, e, ordinal))
+            e.zero_()  # small_bits: the quantized all-reduce writes its error here
             if state.momentum:
                 g.zero_()  # every entry is sent: momentum factor masking clears the whole velocity
             continue
@@ -773,24 +796,37 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
 
 
 def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual, value_dtype, lengths,
-                      dense) -> torch.futures.Future:
+                      dense, step: int) -> torch.futures.Future:
     """Starts the sparse all-reduce of (indices, values) into ``out`` and, when ``dense``
-    lists parameters too small to pay, one dense all-reduce (SUM) of all of them, issued
-    right after it (the same order on every rank). The future completes with ``out``
-    holding the sums of all ranks, the small parameters' included."""
+    lists parameters too small to pay, one all-reduce (SUM) of all of them, issued right
+    after it (the same order on every rank): exact in float32, or quantized to
+    ``state.small_bits`` with its error written into their residuals. The future
+    completes with ``out`` holding the sums of all ranks, the small parameters' included."""
     work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density, lengths)
     fut = work.get_future()
     if not dense:
         return fut
-    flat = torch.cat([x for _, x in dense])
-    dense_fut = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
+    flat = torch.cat([x for _, x, _, _ in dense])
+    error = None
+    if state.small_bits:
+        # a segment per parameter, keyed by its ordinal: ownership and rounding seeds follow
+        # the parameter, not the bucket layout (a parameter of one block is owned by rank 0)
+        error = torch.zeros_like(flat) if state.error_feedback else None
+        dense_fut = backend.allreduce_quantized(flat, error, state.small_bits, _SMALL_BLOCK, True,
+                                                _mix_seed(state.seed, step, _SMALL_SEED),
+                                                [x.numel() for _, x, _, _ in dense],
+                                                [ordinal for _, _, _, ordinal in dense]).get_future()
+    else:
+        dense_fut = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
 
     def place(all_done):
         for f in all_done.value():
             f.value()  # re-raises a failed collective
         at = 0
-        for offset, x in dense:
+        for offset, x, e, _ in dense:
             out[offset: offset + x.numel()].copy_(flat[at: at + x.numel()])
+            if error is not None:
+                e.copy_(error[at: at + x.numel()])
             at += x.numel()
         return out
 
@@ -825,7 +861,7 @@ def _launch_step(backend, state: TopKState, world: int) -> None:
     out = torch.empty(total, dtype=torch.float32)
     try:
         fut = _sparse_and_dense(backend, state, indices, values, out, residual, pending[0].value_dtype, lengths,
-                                dense)
+                                dense, pending[0].step)
     except BaseException as exc:  # noqa: BLE001  (every waiting bucket learns of it)
         for p in pending:
             p.future.set_exception(exc)
@@ -904,7 +940,7 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     residual = state._flat_residual(segments, numel)
     indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, 0, value_dtype)
     out = torch.empty(numel, dtype=torch.float32)
-    fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense)
+    fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step)
     return fut.then(_averaged_into(buffer, world))
 
 

@@ -8,6 +8,9 @@
 * ``min_compression_rate``: parameters below the rule (TopKState.compressed) are averaged
   exactly in one dense all-reduce and their residuals are zero; the other parameters get
   the same numbers as with the rule off, bit for bit.
+* ``small_bits=8``: those parameters go through one quantized all-reduce per bucket (per
+  step with ``schedule="step"``); what the 8-bit code loses lands in their residuals,
+  so that summed over the ranks nothing is lost; the others are unchanged, bit for bit.
 * replicas identical on every rank.
 """
 
@@ -111,6 +114,7 @@ def _schedule_checks(ctx):
 
 def _rule_checks(ctx):
     """min_compression_rate on hand-made buckets: small parameters exact, others unchanged."""
+    import pycomm
     from pycomm import hooks as H
 
     problems, out = [], {}
@@ -139,11 +143,14 @@ def _rule_checks(ctx):
                 at += params[i].numel()
         return [results[i] for i in range(len(params))]
 
-    # dense bytes / top-k pair bytes at 5%: weights 9.9, 9.9, 9.0; biases of 48: 8.0, of 3: 1.5
+    # dense bytes / top-k pair bytes at 5% (float32 values: 8-byte pairs): weights 9.9, 9.9,
+    # 9.0; biases of 48: 8.0, of 3: 1.5
     rate = 8.5
     for schedule in ("bucket", "step"):
-        plain = H.TopKState(density=DENSITY, exact=True, schedule=schedule)
-        ruled = H.TopKState(density=DENSITY, exact=True, schedule=schedule, min_compression_rate=rate)
+        plain = H.TopKState(density=DENSITY, exact=True, schedule=schedule, min_compression_rate=0,
+                            value_dtype="float32")
+        ruled = H.TopKState(density=DENSITY, exact=True, schedule=schedule, min_compression_rate=rate,
+                            small_bits=None, value_dtype="float32")
         small = [not ruled.compressed(p.numel()) for p in params]
         if small != [False, True, False, True, False, True]:
             problems.append(f"rule: small parameters {small}, expected the three biases")
@@ -166,6 +173,50 @@ def _rule_checks(ctx):
                 if not small[i] and res[o].abs().max().item() == 0.0:
                     problems.append(f"rule {schedule} step {step}: compressed parameter {i} has no residual")
         out[f"rule_{schedule}"] = torch.cat(b)
+    # small_bits=8: the small parameters through the quantized all-reduce, with error feedback
+    for schedule in ("bucket", "step"):
+        plain = H.TopKState(density=DENSITY, exact=True, schedule=schedule, min_compression_rate=0,
+                            value_dtype="float32")
+        quant = H.TopKState(density=DENSITY, exact=True, schedule=schedule, min_compression_rate=rate,
+                            small_bits=8, value_dtype="float32")
+        order = [i for positions in layout for i in positions]
+        before = {i: torch.zeros(params[i].numel()) for i in range(len(params))}
+        for step in range(3):
+            calls = pycomm.stats()["ops"].get("allreduce_quantized", {}).get("count", 0)
+            a = run(plain, step)
+            b = run(quant, step)
+            calls = pycomm.stats()["ops"].get("allreduce_quantized", {}).get("count", 0) - calls
+            # every bucket has a small parameter: one quantized all-reduce per bucket, one per step
+            # once the step schedule knows the layout (from step 1: the hand-made buckets never change)
+            expected = len(layout) if schedule == "bucket" or step == 0 else 1
+            if calls != expected:
+                problems.append(f"small_bits {schedule} step {step}: {calls} quantized all-reduces, "
+                                f"expected {expected}")
+            res = quant.state_dict()["residuals"]
+            after = {i: res[o] for o, i in enumerate(order)}
+            gs = grads(ctx.rank, step)
+            for i in range(len(params)):
+                if not small[i]:
+                    if not torch.equal(a[i], b[i]):
+                        problems.append(f"small_bits {schedule} step {step}: compressed parameter {i} changed")
+                    continue
+                # the error of the 8-bit code went into the residual, none was lost: summed over
+                # the ranks, gradient + old residual = world x mean + new residual
+                kept = gs[i] + before[i] - after[i]
+                dist.all_reduce(kept)
+                if not torch.allclose(kept, world * b[i], rtol=1e-5, atol=1e-5):
+                    problems.append(f"small_bits {schedule} step {step}: parameter {i} lost "
+                                    f"{(kept - world * b[i]).abs().max().item():.3g} to quantization")
+                mean = sum(grads(r, step)[i] for r in range(world)) / world
+                scale = (gs[i] + before[i]).abs().max().item()
+                if after[i].abs().max().item() == 0.0 or after[i].abs().max().item() > scale / 32:
+                    problems.append(f"small_bits {schedule} step {step}: parameter {i}'s residual "
+                                    f"{after[i].abs().max().item():.3g} is not an 8-bit rounding error "
+                                    f"(inputs up to {scale:.3g})")
+                if step == 0 and not torch.allclose(b[i], mean, atol=world * scale / 32):
+                    problems.append(f"small_bits {schedule} step 0: parameter {i} is not near the mean")
+            before = after
+        out[f"small_bits_{schedule}"] = torch.cat(b)
     # the all_gather exchange has no dense side channel: the rule is refused there
     try:
         run(H.TopKState(density=DENSITY, exchange="allgather", min_compression_rate=rate), 0)
@@ -210,6 +261,14 @@ def test_topk_state_options():
     s = H.TopKState(density=0.01, min_compression_rate=2.0)
     # dense bytes n * 4 against ceil(0.01 n) pairs of 8 bytes: about 50x for large n, n / 2 below 100
     assert s.compressed(1000) and s.compressed(4) and not s.compressed(3)
-    assert H.TopKState(density=0.01).compressed(1)  # 0: everything sparsified
+    assert H.TopKState(density=0.01, min_compression_rate=0).compressed(1)  # 0: everything sparsified
+    # the default (None): sparsified from 1.5 entries per step, at 1% from 150 elements
+    default = H.TopKState(density=0.01)
+    assert [n for n in (1, 64, 128, 149, 150, 151, 4096) if default.compressed(n)] == [150, 151, 4096]
+    assert default.small_bits == 8 and default.value_dtype == "bfloat16"
+    assert H.TopKState(density=0.1).compressed(15) and not H.TopKState(density=0.1).compressed(14)
     assert s.state_dict()["config"]["min_compression_rate"] == 2.0
+    with pytest.raises(ValueError, match="small_bits"):
+        H.TopKState(small_bits=2)
+    assert H.TopKState(small_bits=4).state_dict()["config"]["small_bits"] == 4
 
