@@ -606,7 +606,7 @@ def _momentum_checks(ctx):
     runs = {
         # every parameter sparsified (min_compression_rate=0, as on the all_gather exchange):
         # with the small ones averaged apart (the default) the two end level on this task
-        # (2 ranks: 0.1022 with DGC, 0.1010 without; docs/compression.md)
+        # (2 ranks: 0.1022 with DGC, 0.1010 without; docs/compression.md, DGC bullet)
         "topk_sgd_momentum": (lambda: H.TopKState(density=0.01, min_compression_rate=0), 0.9),
         "topk_dgc": (lambda: H.TopKState(density=0.01, momentum=0.9, min_compression_rate=0), 0.0),
         "topk_dgc_allgather": (lambda: H.TopKState(density=0.01, momentum=0.9, exchange="allgather"), 0.0),
