@@ -292,6 +292,22 @@ def test_hooks_resolve():
     assert hook is counting_hook and isinstance(state, CounterState) and state.group == "G"
 
 
+def test_register_hook_example_in_docs_runs():
+    """docs/training.md's register_hook example, run as written (it passed ``ratio=``, which
+    TopKState does not take)."""
+    from pycomm.hooks import TopKState, topk_hook
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md")).read()
+    example = re.search(r"```python\n(from pycomm.train import register_hook\n.*?)```", text, re.S).group(1)
+    builtin = strategies._BUILTIN_HOOKS["topk"]
+    try:
+        exec(example, {"topk_hook": topk_hook, "TopKState": TopKState})
+        hook, state = strategies.resolve_hook("topk")
+        assert hook is topk_hook and isinstance(state, TopKState) and state.density == 0.01
+    finally:
+        strategies.register_hook("topk", *builtin)
+
+
 def test_atomic_checkpoint_survives_a_failed_write(tmp_path, monkeypatch):
     path = ckpt.checkpoint_path(str(tmp_path), 7)
     ckpt.atomic_save({"step": 7}, path)
