@@ -1,8 +1,10 @@
 """Fixed cost of one small collective, as topk_hook issues them: a dense float32
 all-reduce, the 8-bit quantized all-reduce (TopKState(small_bits=8)'s path for the small
-parameters) and the sparse all-reduce, each of a few elements.
+parameters) and the sparse all-reduce, each of a few elements; the dense one also async
+and the quantized one also blocking, to separate the worker-thread hand-off from the rest.
 
     python benchmarks/small_call.py --ranks 2 --elements 10 --iters 300
+    PYCOMM_TRANSPORT=tcp python benchmarks/small_call.py --ranks 2   # dense over TCP too
 
 Every call is timed as a training loop sees it: barrier, then one call. Prints rank 0's
 median and 90th percentile per kind, in two rounds (the kinds alternate, so an order
@@ -29,9 +31,14 @@ def _rank(rank, world, port, iters, elements, queue):
     pairs = max(1, elements // 100)
     indices = torch.randperm(elements, generator=g)[:pairs].sort().values
     values, out, residual = torch.randn(pairs, generator=g), torch.empty(elements), torch.zeros(elements)
+    # the hook issues its collectives async (queued to the group's worker thread) and waits
+    # on their futures; dist.all_reduce without async_op runs inline on the caller's thread
     kinds = {
         "dense all_reduce": lambda: dist.all_reduce(x),
+        "dense, async": lambda: dist.all_reduce(x, async_op=True).wait(),
         "quantized 8-bit": lambda: backend.allreduce_quantized(x, error, 8, 256, True, 1, [elements], [0]).wait(),
+        "quantized, blocking": lambda: backend.allreduce_quantized(x, error, 8, 256, True, 1, [elements], [0],
+                                                                   async_op=False),
         "sparse (1%, bfloat16)": lambda: backend.allreduce_sparse(indices, values, out, residual, "bfloat16", 0.02,
                                                                   [elements]).wait(),
     }
