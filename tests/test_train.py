@@ -308,6 +308,22 @@ def test_register_hook_example_in_docs_runs():
         strategies.register_hook("topk", *builtin)
 
 
+def test_registered_hook_keeps_the_builtins():
+    """A hook registered before any lookup (as docs/training.md's example does) adds to the
+    built-in names; it used to replace them all ("unknown hook 'allreduce'"). A new process:
+    the table as a user's script first sees it."""
+    import subprocess
+    import sys
+
+    code = ("from pycomm.train import register_hook, resolve_hook, allreduce_hook\n"
+            "from pycomm.train.strategies import hook_names\n"
+            "register_hook('mine', allreduce_hook)\n"
+            "assert resolve_hook('allreduce')[0] is allreduce_hook\n"
+            "assert {'allreduce', 'topk', 'mine'} <= set(hook_names()), hook_names()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_atomic_checkpoint_survives_a_failed_write(tmp_path, monkeypatch):
     path = ckpt.checkpoint_path(str(tmp_path), 7)
     ckpt.atomic_save({"step": 7}, path)

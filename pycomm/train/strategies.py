@@ -85,7 +85,9 @@ _BUILTIN_HOOKS: Dict[str, "tuple[Callable, Callable]"] = {
     "torch_powersgd": (powerSGD_hook.powerSGD_hook, _torch_powersgd_state),
 }
 
-_HOOKS: Dict[str, "tuple[Callable, Callable]"] = {}
+# Every name --hook takes: the built-ins from the start, so a hook registered before the
+# first lookup adds to them instead of standing alone.
+_HOOKS: Dict[str, "tuple[Callable, Callable]"] = dict(_BUILTIN_HOOKS)
 
 
 def register_hook(name: str, hook: Callable, state_factory: Callable[[Any], Any] = _group_state) -> None:
@@ -99,15 +101,8 @@ def hook_names() -> "tuple[str, ...]":
     return tuple(sorted(_HOOKS))
 
 
-def _register_builtin_hooks() -> None:
-    for name, (hook, state_factory) in _BUILTIN_HOOKS.items():
-        register_hook(name, hook, state_factory)
-
-
 def resolve_hook(spec: Any, group=None) -> "tuple[Callable, Any]":
     """``(hook, state)`` for a registered name, a ``package.module:attribute`` path, or a callable."""
-    if not _HOOKS:
-        _register_builtin_hooks()
     if callable(spec):
         return spec, group
     if not isinstance(spec, str) or not spec:
