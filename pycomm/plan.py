@@ -47,7 +47,7 @@ from .config import COST_FIELDS, cost_cache_path, read_cost_model
 
 __all__ = ["DEFAULT_MODEL", "Topology", "predict", "winners", "break_even_gbps", "calibrate", "validate",
            "calibrate_netns", "link_model", "validate_hosts", "validation_table", "oversubscription",
-           "load_calibration", "save_calibration", "stream_lines", "main"]
+           "load_calibration", "save_calibration", "stream_lines", "topk_wire_bytes", "main"]
 
 PREFIX = "pycomm plan:"
 # The built-in constants (common/cost_model.h).
@@ -117,27 +117,71 @@ def predict(model: Dict[str, float], topology: Topology, nbytes: int,
     return out
 
 
+# TopKState's defaults: values travel as bfloat16, owners keep 2 x density (hooks.py).
+TOPK_VALUE_BYTES = 2
+TOPK_OWNER_FACTOR = 2.0
+SPARSE_HEADER_BYTES = 16  # allreduce_sparse.cc: {format, nnz, payload_bytes}, one per message pair
+
+
+def _gap_bytes(density: float) -> float:
+    """Expected LEB128 length of the gap between consecutive kept positions when
+    positions are kept independently with probability ``density`` (geometric gaps of
+    mean 1/density): 1 byte, plus 1 for each of 2^7, 2^14, 2^21, 2^28 the gap reaches."""
+    return 1.0 + sum((1.0 - density) ** (1 << (7 * k)) for k in (1, 2, 3, 4))
+
+
+def topk_wire_bytes(nbytes: int, density: float, ranks: int, value_bytes: int = TOPK_VALUE_BYTES,
+                    owner_factor: float = TOPK_OWNER_FACTOR, element_bytes: int = 4) -> float:
+    """Bytes one rank sends in pycomm's sparse all-reduce (allreduce_sparse.cc) of a
+    float32 buffer of ``nbytes`` from which every rank keeps ``density`` of the entries
+    at independent random positions. Phase 1: its pairs in each other owner's 1/n of
+    the buffer; phase 2: the ``owner_factor x density`` largest of its own 1/n's summed
+    pairs (at most their union) to each of the n - 1 others. A pair is its gap's
+    varint plus the value; each message is the smaller of that and the dense piece
+    (value_bytes per element); a 16-byte header precedes every payload."""
+    n = ranks
+    if n < 2:
+        return 0.0
+    piece = nbytes / element_bytes / n  # elements an owner owns
+    union = 1.0 - (1.0 - density) ** n
+    kept = min(owner_factor * density, union)
+    def message(d):
+        return min(d * piece * (_gap_bytes(d) + value_bytes), piece * value_bytes) + SPARSE_HEADER_BYTES
+    return (n - 1) * (message(density) + message(kept))
+
+
 def _compressed(m: Dict[str, float], topology: Topology, nbytes: int, codec: Dict[str, float]) -> Dict[str, float]:
-    """The compressed all-reduces: the sharded exchange of the compressed bytes between
-    hosts (a reduce-scatter then an all-gather), plus encode and decode per input byte.
-    top-k at density d sends (index, value) pairs, 8 bytes per kept 4-byte element;
-    b-bit quantization sends b/32 of the bytes plus a float32 scale per block."""
+    """The compressed all-reduces as pycomm's hooks run them: two phases of direct
+    exchanges with the other n - 1 ranks (every rank is an owner; messages in flight
+    at once towards one rank cost delta each, as the sharded all-reduce's direct
+    exchange: a top-k phase sends a header and a payload to each peer, a quantized
+    phase one message), the bytes one rank sends (topk_wire_bytes; b-bit quantization
+    sends b/32 of the buffer plus a float32 scale per block, 2 (n-1)/n of that), on a
+    link its host's L ranks share, plus encode and decode per input byte. The hooks' small parameters (a separate 8-bit
+    all-reduce per bucket) are not part of it: they depend on the model's shapes."""
     n = topology.ranks
     if n < 2:
         return {}
-    steps = 2.0 * math.ceil(math.log2(n))
-    # A byte on the wire: the link or the TCP copies, whichever is slower (as the dense
-    # formulas); the codecs are CPU time of their own, scaled by the ranks per core.
-    per_byte = max(m["beta"], m.get("cpu_beta", 0.0) * max(1.0, topology.oversubscription))
     cpu = max(1.0, topology.oversubscription)
+    # With L ranks per host, every rank sends (n - L)/(n - 1) of its bytes off the host
+    # and the L ranks share its link; a byte costs the link or the TCP copies, whichever
+    # is slower (as the dense formulas); the codecs are CPU time of their own, scaled
+    # by the ranks per core.
+    L = topology.ranks_per_host if topology.hosts > 1 else 1
+    on_link = L * (n - L) / (n - 1.0) if topology.hosts > 1 else 1.0
+
+    def moved(sent: float) -> float:
+        return max(on_link * sent * m["beta"], cpu * sent * m.get("cpu_beta", 0.0))
+
     out = {}
     for density in DENSITIES:
-        wire = 2.0 * density * nbytes
-        out[f"topk d={density:g}"] = (steps * m["alpha"] + 2.0 * (n - 1) / n * wire * per_byte
+        messages = 2.0 * m["alpha"] + 2.0 * (2 * (n - 1) - 1) * m["delta"]
+        out[f"topk d={density:g}"] = (messages + moved(topk_wire_bytes(nbytes, density, n))
                                       + cpu * nbytes * codec["topk"])
     for bits in BITS:
+        messages = 2.0 * m["alpha"] + 2.0 * (n - 2) * m["delta"]
         wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
-        out[f"quantize {bits}-bit"] = (steps * m["alpha"] + 2.0 * (n - 1) / n * wire * per_byte
+        out[f"quantize {bits}-bit"] = (messages + moved(2.0 * (n - 1) / n * wire)
                                        + cpu * (nbytes * codec["quantize"] + (n - 1) / n * wire * m["gamma"]))
     return out
 
@@ -341,12 +385,23 @@ def table(model, codec, topology: Topology, sizes: Sequence[int] = SIZES) -> Lis
 
 
 def compression_table(model, codec, topology: Topology, nbytes: int = 64 << 20) -> List[str]:
+    """The break-even link speed of each compressed all-reduce, twice: with the link
+    alone carrying a byte (cpu_beta 0, as the extrapolation) and with this host's TCP
+    copies too (where they are slower than any link, a dense all-reduce cannot go
+    faster than them and compression always pays)."""
+    copies = model.get("cpu_beta", 0.0)
     lines = [f"# {topology}, {_size(nbytes)}: link speed below which each compressed all-reduce "
-             "beats the best dense network algorithm"]
+             "beats the best dense network algorithm: the link alone carrying a byte (cpu_beta 0)"
+             + (f"; and with this host's TCP copies ({_fmt_const('cpu_beta', copies)})" if copies else "")]
+
+    def text(gbps):
+        return "never" if gbps is None else "always" if math.isinf(gbps) else f"{gbps:.1f} Gbit/s"
+
     for name in [k for k in predict(model, topology, nbytes, codec) if k.startswith(("topk", "quantize"))]:
-        gbps = break_even_gbps(model, topology, nbytes, name, codec)
-        text = "never" if gbps is None else "always" if math.isinf(gbps) else f"{gbps:.1f} Gbit/s"
-        lines.append(f"{name:>16}: {text}")
+        line = f"{name:>16}: {text(break_even_gbps(_network_only(model), topology, nbytes, name, codec))}"
+        if copies:
+            line += f"; {text(break_even_gbps(model, topology, nbytes, name, codec))}"
+        lines.append(line)
     return lines
 
 
@@ -387,14 +442,17 @@ def extrapolation(model, codec) -> List[str]:
                     crossings.append(f"{best} from {_size(nbytes)}")
                     previous = best
             tree_flat = _crossing(model, flat, "tree", "ring", sizes)
-            small, big = predict(model, flat, 64 << 10), predict(model, flat, 64 << 20)
+            small, big = predict(model, flat, 64 << 10), predict(model, flat, 64 << 20, codec)
             lines.append(f"{ranks:>5} ranks ({hosts} hosts), {gbps:g} Gbit/s, {latency * 1e6:g} us: leaders: "
                          + ", ".join(crossings)
                          + "; flat: tree beats ring up to "
                          + (_size(tree_flat) if tree_flat else "never")
                          + f"; 64 KiB ring {small['ring'] * 1e3:.2f} ms, tree {small['tree'] * 1e3:.2f} ms, "
                          f"hierarchical {small['hierarchical'] * 1e3:.2f} ms; 64 MiB ring {big['ring'] * 1e3:.1f} ms, "
-                         f"hierarchical {big['hierarchical'] * 1e3:.1f} ms")
+                         f"hierarchical {big['hierarchical'] * 1e3:.1f} ms"
+                         + (f"; compressed, flat (a direct exchange with every rank): topk d=0.01 "
+                            f"{big['topk d=0.01'] * 1e3:.1f} ms, quantize 8-bit {big['quantize 8-bit'] * 1e3:.1f} ms"
+                            if codec else ""))
     return lines
 
 
