@@ -40,6 +40,9 @@ then every rank in its own network namespace (tests/netns_util.py: one veth per 
 private bridge) with a tc tbf limit on each host's egress (``--slow-rates``, default
 100mbit and 1gbit; tbf burst 256 kB, latency 50 ms as netns_util sets them), at
 ``--slow-worlds`` ranks (default 2 and 4). netem is not available here, so no delay is added.
+``--ranks-per-host K`` puts K ranks in each namespace instead (entered with setns only, so
+they share a mount namespace and pycomm counts them as one host: shared memory among them),
+and reports the bytes each host's interface sent per step.
 
 Per configuration, from rank 0: final test accuracy (all replicas are identical under
 synchronous DDP; rank 0 scores the task's held-out set locally, in eval mode, no communication),
@@ -122,8 +125,9 @@ def _topk_state(name, group=None):
     " owner P%" / " owner all" (owner_density P / 0), " exact", " noEF", " fused"
     (schedule="step"), " small-dense" (min_compression_rate 45, exact), " small8" / " small4"
     (min_compression_rate 45, small_bits 8 / 4), " bf16" / " f32" (value_dtype), " nosmall"
-    (min_compression_rate 0). "topk 1% EF f32 nosmall" is the default state before the
-    tiny LM's fix (docs/compression.md)."""
+    (min_compression_rate 0), " hosts" (hosts="auto": summed per host, top-k among the host
+    leaders). "topk 1% EF f32 nosmall" is the default state before the tiny LM's fix
+    (docs/compression.md)."""
     from pycomm import hooks
 
     words = name.split()
@@ -150,6 +154,8 @@ def _topk_state(name, group=None):
             kwargs["small_bits"] = bits
     if "bf16" in words:  # bfloat16 values on the wire (TopKState(value_dtype="bfloat16"))
         kwargs["value_dtype"] = "bfloat16"
+    if "hosts" in words:  # the hierarchical exchange: summed per host, top-k among the leaders
+        kwargs["hosts"] = "auto"
     return hooks.TopKState(group, **kwargs)
 
 
@@ -226,6 +232,7 @@ def _train_one(name, rank, world, args):
     model.train()
     dist.barrier()
     pycomm.reset_stats()
+    link_before = _link_tx_bytes()
     times, losses = [], []
     while len(times) < total_steps:
         epoch = len(times) // steps_per_epoch
@@ -246,6 +253,7 @@ def _train_one(name, rank, world, args):
             if eval_every and rank == 0 and len(times) % eval_every == 0 and len(times) < total_steps:
                 curve.append((len(times), _score(model, task)))  # outside the timed step; no RNG drawn
     sent = pycomm.stats()["bytes_sent"]
+    link_after = _link_tx_bytes()
     steps = len(times)
     acc = _score(model, task)
     if eval_every:
@@ -262,12 +270,30 @@ def _train_one(name, rank, world, args):
     return {
         "config": name, "steps": steps, "test_accuracy": acc,
         "bytes_per_step": sent / steps, "bytes_sent": sent,
+        # in a namespace: every byte its interface sent (all its ranks', TCP/IP headers too)
+        "link_bytes_per_step": None if link_before is None else (link_after - link_before) / steps,
         "bytes_per_step_after_2": (sent - sent_after_2) / (steps - 2),  # PowerSGD rows: 2 dense steps first
         "median_step_s": warm_sorted[len(warm_sorted) // 2],
         "mean_step_s": sum(warm) / len(warm),
         "train_wall_s": sum(times), "final_train_loss": sum(losses[-steps_per_epoch:]) / steps_per_epoch,
         "replicas_identical": in_step, "curve": curve,
     }
+
+
+def _link_tx_bytes():
+    """Bytes sent through the interface pycomm binds to (PYCOMM_SOCKET_IFNAME, set in the
+    namespaces), or None on loopback."""
+    name = os.environ.get("PYCOMM_SOCKET_IFNAME")
+    if not name:
+        return None
+    # /proc/self/net/dev follows this process's network namespace (/sys only after a remount,
+    # which the ranks sharing a host's namespace do not get)
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            device, _, counters = line.partition(":")
+            if device.strip() == name:
+                return int(counters.split()[8])  # receive: 8 fields, then transmit bytes
+    return None
 
 
 def _score(model, task):
@@ -314,8 +340,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world, args, tmp, netns=None, addr="127.0.0.1", port=None, timeout=3600):
-    """Run every config in one set of `world` rank processes; returns rank 0's rows."""
+def _launch(world, args, tmp, netns=None, addr="127.0.0.1", port=None, timeout=3600, wrap=None):
+    """Run every config in one set of `world` rank processes; returns rank 0's rows.
+    ``wrap(rank, argv)``: how a rank enters its namespace host (default ``ip netns exec``)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from netns_util import kill_tree
 
@@ -333,7 +360,9 @@ def _launch(world, args, tmp, netns=None, addr="127.0.0.1", port=None, timeout=3
                 "--epochs", str(args.epochs), *(["--lr", str(args.lr)] if args.lr is not None else []), "--global-batch", str(args.global_batch),
                 "--seed", str(args.seed), "--task", getattr(args, "task", "digits-sgd"),
                 "--steps", str(getattr(args, "steps", 0) or 0), "--eval-every", str(getattr(args, "eval_every", 0) or 0)]
-        if netns:
+        if wrap is not None:
+            argv = wrap(rank, argv)
+        elif netns:
             argv = ["ip", "netns", "exec", netns[rank], *argv]
         procs.append(subprocess.Popen(argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
     deadline = time.monotonic() + timeout
@@ -527,14 +556,21 @@ def _runs(row):
 
 
 def _table(settings):
+    # Where ranks share a namespace host, its interface's bytes tell what crossed the link.
+    link = any(r.get("link_bytes_per_step") is not None and "hosts x" in s["label"]
+               for s in settings for r in s["rows"])
     lines = ["| setting | config | test acc | Δ acc vs dense (pts) | bytes/step (rank 0) | bytes ÷ dense | "
-             "median step (ms) | step speed-up vs dense |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             + ("link bytes/step (rank 0's host) | " if link else "")
+             + "median step (ms) | step speed-up vs dense |",
+             "| --- | --- | ---: | ---: | ---: | ---: | " + ("---: | " if link else "") + "---: | ---: |"]
     for s in settings:
         for r in s["rows"]:
+            wire = r.get("link_bytes_per_step")
             lines.append(f"| {s['label']} | {r['config']} | {r['test_accuracy'] * 100:.2f}% | "
                          f"{r['acc_delta_points']:+.2f} | {r['bytes_per_step']:,.0f} | "
-                         f"{r['bytes_reduction']:.1f}x | {r['median_step_s'] * 1e3:.2f}{_runs(r)} | "
+                         f"{r['bytes_reduction']:.1f}x | "
+                         + ((f"{wire:,.0f} | " if wire is not None else " | ") if link else "")
+                         + f"{r['median_step_s'] * 1e3:.2f}{_runs(r)} | "
                          f"{r['step_speedup']:.2f}x |")
     return lines
 
@@ -601,13 +637,21 @@ def _run_task_settings(args, port):
                 rates = []
             for rate in rates:
                 for world in [int(w) for w in args.slow_worlds.split(",") if w]:
-                    label = f"netns tbf {rate}, {world} ranks"
+                    per_host = args.ranks_per_host
+                    if world % per_host:
+                        raise SystemExit(f"--ranks-per-host {per_host} does not divide {world} ranks")
+                    label = f"netns tbf {rate}, {world} ranks" + (
+                        f" ({world // per_host} hosts x {per_host})" if per_host > 1 else "")
                     print(f"== {label}", flush=True)
-                    hosts = NetnsHosts(world, rate=rate)
+                    hosts = NetnsHosts(world // per_host, rate=rate)
                     try:
                         hosts.create()
+                        netns = [hosts.names[r // per_host] for r in range(world)]
+                        # ranks of one host share its mount namespace too (NetnsHosts.enter_cmd):
+                        # pycomm then counts them as one host, shared memory among them
+                        wrap = (lambda r, argv: hosts.enter_cmd(r // per_host, argv)) if per_host > 1 else None
                         rows = _annotate(_seeded(args, lambda: _launch(
-                            world, args, tmp, netns=hosts.names, addr=hosts.addrs[0], port=port)))
+                            world, args, tmp, netns=netns, addr=hosts.addrs[0], port=port, wrap=wrap)))
                     finally:
                         hosts.close()
                         left = hosts.leftovers()
@@ -634,6 +678,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worlds", default="2,4", help="world sizes on loopback")
     parser.add_argument("--slow-rates", default="100mbit,1gbit", help="tc tbf rates ('' to skip the namespaces)")
     parser.add_argument("--slow-worlds", default="2,4")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks sharing each namespace host in the slow-link runs (shared memory among them)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "compression_digits"))
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per setting; step time = median over runs of each run's median")
@@ -696,8 +742,12 @@ def main(argv=None) -> int:
         f"{meta['machine']}, torch {meta['torch']}. Bytes = pycomm.stats()['bytes_sent'] of rank 0 over the "
         f"training steps / steps. Step time = median over steps (first 5 skipped) of rank 0's "
         f"zero_grad+forward+backward(+exchange)+step"
-        f"{f', then the median over {args.repeat} runs of each setting (every run in the json)' if args.repeat > 1 else ''}. Slow link: each rank in its own network namespace, "
-        f"veth to a private bridge, `tc tbf rate R burst 256kb latency 50ms` on each host's egress "
+        f"{f', then the median over {args.repeat} runs of each setting (every run in the json)' if args.repeat > 1 else ''}. Slow link: "
+        + (f"{args.ranks_per_host} ranks in each network namespace (a host: shared memory among them), "
+           f"link bytes = tx_bytes of rank 0's namespace interface over the training steps / steps (both its "
+           f"ranks' TCP traffic, headers included), "
+           if args.ranks_per_host > 1 else "each rank in its own network namespace, ")
+        + f"veth to a private bridge, `tc tbf rate R burst 256kb latency 50ms` on each host's egress "
         f"(tests/netns_util.py); no added delay (netem unavailable)."
         + (f" {most} ranks oversubscribe {os.cpu_count()} cores." if most > (os.cpu_count() or 1) else ""),
         "",

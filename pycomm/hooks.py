@@ -472,7 +472,22 @@ class TopKState(_CompressionState):
     ``small_bits``: how the parameters averaged apart travel: 8 (default) or 4 through
     pycomm's two-phase quantized all-reduce (blocks of 256, stochastic rounding, the
     error into their residuals when ``error_feedback``); None exactly, in one float32
-    all-reduce (their residuals become zero), at 4 or 8 times the bytes."""
+    all-reduce (their residuals become zero), at 4 or 8 times the bytes.
+    ``hosts`` (sparse all-reduce only, ``schedule="bucket"``): None (default) runs the
+    sparse all-reduce over every rank of the group. ``"auto"`` groups the ranks by host
+    (hostname, boot id and namespaces, as pycomm's transport does), or give the layout
+    as lists of group ranks, every rank once (tests, or hosts pycomm cannot tell apart):
+    each host's ranks then sum the bucket densely on its lowest rank (through shared
+    memory on one host), only those leaders select the top-k of the host's sum (error
+    feedback on the leader) and run the sparse all-reduce among themselves, and each
+    leader broadcasts the result to its host. On many hosts the flat exchange's
+    messages (2 (n - 1) per phase towards every rank) and its n ranks' pairs crossing
+    each host's link cost more than it saves (docs/planner.md, *Extrapolation*); this
+    sends the leaders' pairs only. Different numbers from the flat hook (one selection
+    per host instead of per rank). Every rank of the default group must build the state
+    at the same point (it creates process groups), and the state's group must be the
+    whole default group. Falls back to the flat exchange when every host has one rank or
+    there is one host."""
 
     _kind = "topk"
     _op = "topk_hook"
@@ -482,8 +497,11 @@ class TopKState(_CompressionState):
                  exchange: str = "auto", value_dtype: Optional[str] = "bfloat16",
                  owner_density: Optional[float] = None, momentum: float = 0.0,
                  schedule: str = "bucket", min_compression_rate: Optional[float] = None,
-                 small_bits: Optional[int] = 8):
+                 small_bits: Optional[int] = 8, hosts=None):
         density = float(density)
+        if hosts is not None and (schedule != "bucket" or exchange != "auto"):
+            raise ValueError("pycomm topk_hook: hosts needs schedule='bucket' and exchange='auto' "
+                             f"(got schedule={schedule!r}, exchange={exchange!r})")
         if schedule not in _SCHEDULES:
             raise ValueError(f"pycomm topk_hook: schedule must be one of {', '.join(_SCHEDULES)} "
                              f"(got {schedule!r})")
@@ -512,6 +530,8 @@ class TopKState(_CompressionState):
         self._pending: List["_PendingBucket"] = []  # schedule="step": this step's buckets so far
         self._layout: Optional[Tuple[tuple, ...]] = None  # the last complete step's bucket layout
         self._seen: List[tuple] = []  # this step's bucket layouts so far (learns _layout)
+        self.hosts = hosts
+        self._hosts: Optional[_HostGroups] = _HostGroups.build(process_group, hosts) if hosts is not None else None
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
@@ -796,7 +816,7 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
 
 
 def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual, value_dtype, lengths,
-                      dense, step: int) -> torch.futures.Future:
+                      dense, step: int, group=None) -> torch.futures.Future:
     """Starts the sparse all-reduce of (indices, values) into ``out`` and, when ``dense``
     lists parameters too small to pay, one all-reduce (SUM) of all of them, issued right
     after it (the same order on every rank): exact in float32, or quantized to
@@ -817,7 +837,8 @@ def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual,
                                                 [x.numel() for _, x, _, _ in dense],
                                                 [ordinal for _, _, _, ordinal in dense]).get_future()
     else:
-        dense_fut = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
+        dense_fut = dist.all_reduce(flat, group=group if group is not None else state.process_group,
+                                    async_op=True).get_future()
 
     def place(all_done):
         for f in all_done.value():
@@ -899,7 +920,7 @@ def _step_flat(state: TopKState, layout) -> Tuple[Optional[torch.Tensor], List[i
     return state._flat_residual(global_segments, at), bases
 
 
-def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
+def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments, group=None):
     """Per parameter: top-k of gradient + residual with the fused C++ kernel (residual <- what
     was not selected); then pycomm's sparse all-reduce (allreduce_sparse.cc): rank c owns
     chunk c of every parameter, keeps the top ``density`` of each reduced chunk and feeds
@@ -909,8 +930,12 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     ``schedule="step"``: each bucket is encoded as it comes, and the step's last bucket
     starts one collective for all of them (the layout is learned from the previous step;
     a step whose layout differs, such as the first, or DDP's rebuild, runs per bucket).
-    Ownership and seeds are per parameter, so both give the same numbers."""
-    rank = dist.get_rank(state.process_group)
+    Ownership and seeds are per parameter, so both give the same numbers.
+    ``group``: the group ``backend`` belongs to, when not the state's (the host leaders'
+    group of ``hosts``)."""
+    if state._hosts is not None and group is None:
+        return _topk_hosts(state, buffer, world, step, segments)
+    rank = dist.get_rank(group if group is not None else state.process_group)
     value_dtype = _wire_dtype(state, buffer)
     numel = buffer.numel()
     lengths = [n for _, _, n in segments]
@@ -940,8 +965,188 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     residual = state._flat_residual(segments, numel)
     indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, 0, value_dtype)
     out = torch.empty(numel, dtype=torch.float32)
-    fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step)
+    fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step,
+                            group)
     return fut.then(_averaged_into(buffer, world))
+
+
+def _host_key() -> str:
+    """This process's host as pycomm's transport tells hosts apart (shm_segment.cc
+    hostKey): hostname, boot id, and the network, IPC, mount and PID namespaces."""
+    import os
+    import socket
+
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.readline().strip())
+    except OSError:
+        parts.append("?")
+    for name in ("net", "ipc", "mnt", "pid"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{name}"))
+        except OSError:
+            parts.append("?")
+    return "|".join(parts)
+
+
+class _HostGroups:
+    """TopKState(hosts=...): this rank's host, its leader and the groups the hierarchical
+    exchange runs on. Two groups per host, one for the sum towards the leader and one
+    for the leader's broadcast: the leader starts a bucket's broadcast only when the
+    leaders' sparse all-reduce is done, by which time it may have started later
+    buckets' sums; on one group the ranks' calls would pair up out of order."""
+
+    def __init__(self, layout: List[List[int]], rank: int, world: int, backend: str):
+        import threading
+
+        self.layout = layout
+        self.host = next(h for h, ranks in enumerate(layout) if rank in ranks)
+        self.leader = layout[self.host][0]  # group rank (the state's group is the default group)
+        self.is_leader = rank == self.leader
+        self.world = world
+        # new_group is collective over the default group: every rank creates every group,
+        # in the same order.
+        self.sum_group = self.bcast_group = self.leaders = None
+        for h, ranks in enumerate(layout):
+            sum_group = dist.new_group(ranks, backend=backend)
+            bcast_group = dist.new_group(ranks, backend=backend)
+            if h == self.host:
+                self.sum_group, self.bcast_group = sum_group, bcast_group
+        leaders = dist.new_group([ranks[0] for ranks in layout], backend=backend)
+        if self.is_leader:
+            self.leaders = leaders
+        self.lock = threading.RLock()  # a stage that fails registers the bucket's later stages
+        self.tickets = 0  # buckets started: the leader starts their sparse all-reduces and
+        # broadcasts in this order, whichever thread gets to a bucket first
+        self.next = {"sparse": 0, "broadcast": 0}
+        self.ready: Dict[str, Dict[int, Callable[[], None]]] = {"sparse": {}, "broadcast": {}}
+
+    @staticmethod
+    def build(process_group, hosts) -> Optional["_HostGroups"]:
+        if not dist.is_initialized():
+            raise ValueError("pycomm topk_hook: hosts needs an initialised default process group "
+                             "(create the state after dist.init_process_group)")
+        world = _group_size(process_group)
+        if world != dist.get_world_size():
+            raise ValueError("pycomm topk_hook: hosts needs the state's group to be the whole default group "
+                             f"(it has {world} of {dist.get_world_size()} ranks)")
+        if not _is_pycomm(process_group):
+            raise ValueError("pycomm topk_hook: hosts needs a pycomm process group (the sparse all-reduce)")
+        rank = dist.get_rank(process_group)
+        if hosts == "auto":
+            keys: List[Optional[str]] = [None] * world
+            dist.all_gather_object(keys, _host_key(), group=process_group)
+            order: Dict[str, List[int]] = {}
+            for r, key in enumerate(keys):
+                order.setdefault(key, []).append(r)
+            layout = list(order.values())
+        elif isinstance(hosts, (list, tuple)):
+            layout = [sorted(int(r) for r in ranks) for ranks in hosts]
+            flat = sorted(r for ranks in layout for r in ranks)
+            if flat != list(range(world)) or any(not ranks for ranks in layout):
+                raise ValueError("pycomm topk_hook: hosts must list every rank of the group once, in "
+                                 f"non-empty lists (got {hosts!r} for {world} ranks)")
+            layout.sort(key=lambda ranks: ranks[0])
+        else:
+            raise ValueError(f"pycomm topk_hook: hosts must be None, 'auto' or lists of ranks (got {hosts!r})")
+        if len(layout) in (1, world):
+            return None  # one host, or one rank per host: the flat exchange is the same thing
+        return _HostGroups(layout, rank, world, dist.get_backend(process_group))
+
+    def in_order(self, stage: str, ticket: int, start: Callable[[], None]) -> None:
+        """Runs the leader's ``stage`` ("sparse" / "broadcast") of bucket ``ticket`` once
+        that of every earlier bucket has run: collectives must start in the same order on
+        every rank, and a bucket's sum can complete (and its callback run, on a completion
+        thread or inline on DDP's) before an earlier bucket's callback has started."""
+        with self.lock:
+            self.ready[stage][ticket] = start
+            while self.next[stage] in self.ready[stage]:
+                fn = self.ready[stage].pop(self.next[stage])
+                self.next[stage] += 1
+                fn()  # under the lock: one bucket at a time, in bucket order
+
+
+def _topk_hosts(state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
+    """TopKState(hosts=...): the bucket summed on the host's leader, the leaders' sparse
+    all-reduce of their hosts' top-k, the result broadcast inside each host."""
+    h = state._hosts
+    with h.lock:
+        ticket = h.tickets
+        h.tickets += 1
+    leader = h.leader
+    if not h.is_leader:
+        # A copy goes to the sum: the broadcast, on another group, writes into the buffer.
+        sent = buffer.clone()
+        dist.reduce(sent, dst=leader, group=h.sum_group, async_op=True)
+        fut = dist.broadcast(buffer, src=leader, group=h.bcast_group, async_op=True).get_future()
+        return fut.then(lambda f: _future_tensor(f))
+    result: torch.futures.Future = torch.futures.Future()
+    summed = dist.reduce(buffer, dst=leader, group=h.sum_group, async_op=True).get_future()
+    failed: List[BaseException] = []
+    registered = set()  # this bucket's stages handed to h.in_order
+
+    def advance(stage: str, start: Callable[[], None]) -> None:
+        registered.add(stage)
+        h.in_order(stage, ticket, start)
+
+    def fail(error: BaseException) -> None:
+        # The host's other ranks wait in the broadcast: take its group down so they fail
+        # too, rather than waiting for the timeout.
+        backend = _pycomm_backend(h.bcast_group)
+        if backend is not None:
+            backend.abort()
+        if not failed:
+            failed.append(error)
+        # later buckets' stages wait for this one's: let them go
+        for stage in ("sparse", "broadcast"):
+            if stage not in registered:
+                advance(stage, lambda: None)
+        if not result.done():
+            result.set_result(None)  # re-raised by the .then below, as torch's callbacks raise
+
+    def broadcast() -> None:
+        try:
+            done = dist.broadcast(buffer, src=leader, group=h.bcast_group, async_op=True).get_future()
+        except Exception as e:  # noqa: BLE001  (the group was aborted by an earlier bucket's failure)
+            fail(e)
+            return
+
+        def finish(f):
+            try:
+                f.value()
+                result.set_result(buffer)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+        done.add_done_callback(finish)
+
+    def then_stage(fut: torch.futures.Future, stage: str, start: Callable[[], None]) -> None:
+        """When ``fut`` completes: its error fails the bucket, else ``stage`` starts in order."""
+        def done(f):
+            try:
+                f.value()
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+                return
+            advance(stage, start)
+        fut.add_done_callback(done)
+
+    def sparse() -> None:
+        try:
+            averaged = _topk_pycomm(_pycomm_backend(h.leaders), state, buffer, world, step, segments,
+                                    group=h.leaders)
+        except Exception as e:  # noqa: BLE001
+            fail(e)
+            return
+        then_stage(averaged, "broadcast", broadcast)
+
+    then_stage(summed, "sparse", sparse)
+
+    def value(f):
+        if failed:
+            raise failed[0]
+        return buffer
+    return result.then(value)
 
 
 def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):

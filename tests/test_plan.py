@@ -231,6 +231,9 @@ def test_compressed_messages_grow_with_the_ranks():
     assert big["topk d=0.01"] >= 2 * (2 * 4095 - 1) * m["delta"]
     assert big["quantize 8-bit"] >= 2 * 4094 * m["delta"]
     assert big["topk d=0.01"] > big["hierarchical"], big
+    # TopKState(hosts=...): the sparse exchange among the 512 leaders only
+    assert big["topk d=0.01 hosts"] < min(big["topk d=0.01"], big["hierarchical"]), big
+    assert "topk d=0.01 hosts" not in plan.predict(m, plan.Topology(8, 1, gbps=10.0), 64 << 20, codec)
 
 
 def test_fit_line_recovers_constants():
