@@ -126,8 +126,8 @@ def _topk_state(name, group=None):
     (schedule="step"), " small-dense" (min_compression_rate 45, exact), " small8" / " small4"
     (min_compression_rate 45, small_bits 8 / 4), " bf16" / " f32" (value_dtype), " nosmall"
     (min_compression_rate 0), " hosts" (hosts="auto": summed per host, top-k among the host
-    leaders). "topk 1% EF f32 nosmall" is the default state before the tiny LM's fix
-    (docs/compression.md)."""
+    leaders), " hosts2" (the same with ranks taken as hosts of two). "topk 1% EF f32
+    nosmall" is the default state before the tiny LM's fix (docs/compression.md)."""
     from pycomm import hooks
 
     words = name.split()
@@ -156,6 +156,10 @@ def _topk_state(name, group=None):
         kwargs["value_dtype"] = "bfloat16"
     if "hosts" in words:  # the hierarchical exchange: summed per host, top-k among the leaders
         kwargs["hosts"] = "auto"
+    if "hosts2" in words:  # the same with ranks taken as hosts of two, (0, 1), (2, 3), ... (on one machine)
+        import torch.distributed as dist
+
+        kwargs["hosts"] = [list(range(r, min(r + 2, dist.get_world_size()))) for r in range(0, dist.get_world_size(), 2)]
     return hooks.TopKState(group, **kwargs)
 
 

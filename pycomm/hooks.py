@@ -538,7 +538,8 @@ class TopKState(_CompressionState):
                 "warmup_steps": self.warmup_steps, "exchange": self.exchange,
                 "value_dtype": self.value_dtype, "owner_density": self.owner_density,
                 "momentum": self.momentum, "schedule": self.schedule,
-                "min_compression_rate": self.min_compression_rate, "small_bits": self.small_bits}
+                "min_compression_rate": self.min_compression_rate, "small_bits": self.small_bits,
+                "hosts": self.hosts if isinstance(self.hosts, (str, type(None))) else [list(h) for h in self.hosts]}
 
     def compressed(self, numel: int, element_bytes: int = 4, value_bytes: int = 4) -> bool:
         """Whether a parameter of ``numel`` elements is sparsified on the sparse all-reduce

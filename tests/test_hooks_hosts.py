@@ -239,3 +239,41 @@ def test_a_dead_leader_fails_every_rank_not_hangs():
         what, step, seconds, message = run.returns[rank]
         assert (what, step) == ("raised", 2), (rank, run.returns[rank])
         assert seconds < 30, (rank, run.returns[rank])
+
+
+def _resume_worker(ctx):
+    import copy
+
+    from pycomm.hooks import TopKState, topk_hook
+
+    params = [torch.nn.Parameter(torch.zeros(*shape)) for shape in SHAPES]
+
+    def step(state, k):
+        grads = _grads(ctx.rank, k)
+        futures = [topk_hook(state, _Bucket([params[i] for i in positions], [grads[i] for i in positions], b,
+                                            b == len(LAYOUT) - 1))
+                   for b, positions in enumerate(LAYOUT)]
+        return [f.wait().clone() for f in futures]
+
+    state = TopKState(density=0.01, hosts=HOSTS)
+    for k in range(3):
+        step(state, k)
+    saved = copy.deepcopy(state.state_dict())
+    straight = [step(state, k) for k in (3, 4)]
+    resumed_state = TopKState(density=0.01, hosts=HOSTS)
+    resumed_state.load_state_dict(saved)
+    resumed = [step(resumed_state, k) for k in (3, 4)]
+    problems = []
+    if saved["config"]["hosts"] != HOSTS:
+        problems.append(f"state_dict config hosts: {saved['config']['hosts']!r}")
+    if (ctx.rank in (0, 2)) != bool(saved["residuals"]):
+        problems.append(f"residuals saved: {len(saved['residuals'])} (leaders keep them, the others none)")
+    for k, (a, b) in enumerate(zip(straight, resumed)):
+        if not all(torch.equal(x, y) for x, y in zip(a, b)):
+            problems.append(f"step {3 + k}: the resumed state differs from the uninterrupted one")
+    return problems
+
+
+def test_hosts_state_survives_a_checkpoint():
+    problems = _problems(spawn_run(_resume_worker, 4, timeout_s=240), 4)
+    assert not problems, "\n".join(problems)
