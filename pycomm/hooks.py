@@ -531,7 +531,7 @@ class TopKState(_CompressionState):
         self._layout: Optional[Tuple[tuple, ...]] = None  # the last complete step's bucket layout
         self._seen: List[tuple] = []  # this step's bucket layouts so far (learns _layout)
         self.hosts = hosts
-        self._hosts: Optional[_HostGroups] = _HostGroups.build(process_group, hosts) if hosts is not None else None
+        self._hosts: Optional[_HostGroups] = _HostGroups.build(process_group, hosts, self._op)
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
@@ -539,7 +539,7 @@ class TopKState(_CompressionState):
                 "value_dtype": self.value_dtype, "owner_density": self.owner_density,
                 "momentum": self.momentum, "schedule": self.schedule,
                 "min_compression_rate": self.min_compression_rate, "small_bits": self.small_bits,
-                "hosts": self.hosts if isinstance(self.hosts, (str, type(None))) else [list(h) for h in self.hosts]}
+                "hosts": _hosts_config(self.hosts)}
 
     def compressed(self, numel: int, element_bytes: int = 4, value_bytes: int = 4) -> bool:
         """Whether a parameter of ``numel`` elements is sparsified on the sparse all-reduce
@@ -673,27 +673,33 @@ class QuantizeState(_CompressionState):
     ``warmup_steps``: dense all-reduce for the first synchronised steps; ``seed``: seeds
     the stochastic rounding (per rank, step and parameter); ``exchange``: ``"auto"``
     (pycomm's two-phase quantized all-reduce on pycomm groups, all_gather elsewhere) or
-    ``"allgather"`` (all_gather everywhere)."""
+    ``"allgather"`` (all_gather everywhere); ``hosts``: as :class:`TopKState`'s, the
+    quantized all-reduce among the host leaders of each host's sum (error feedback on the
+    leader)."""
 
     _kind = "quantize"
     _op = "quantize_hook"
 
     def __init__(self, process_group=None, bits: int = 8, block: int = 256, stochastic: bool = True,
                  error_feedback: bool = True, *, warmup_steps: int = 0, seed: int = 0,
-                 exchange: str = "auto"):
+                 exchange: str = "auto", hosts=None):
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"pycomm quantize_hook: bits must be 8, 4 or 1 (got {bits!r})")
         if not isinstance(block, int) or block < 1:
             raise ValueError(f"pycomm quantize_hook: block must be a positive integer (got {block!r})")
         super().__init__(process_group, error_feedback, warmup_steps, seed, exchange)
+        if hosts is not None and exchange != "auto":
+            raise ValueError(f"pycomm quantize_hook: hosts needs exchange='auto' (got {exchange!r})")
         self.bits = int(bits)
         self.block = int(block)
         self.stochastic = bool(stochastic)
+        self.hosts = hosts
+        self._hosts: Optional[_HostGroups] = _HostGroups.build(process_group, hosts, self._op)
 
     def _config(self) -> Dict[str, Any]:
         return {"bits": self.bits, "block": self.block, "stochastic": self.stochastic,
                 "error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps,
-                "exchange": self.exchange}
+                "exchange": self.exchange, "hosts": _hosts_config(self.hosts)}
 
 
 def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -935,7 +941,7 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     ``group``: the group ``backend`` belongs to, when not the state's (the host leaders'
     group of ``hosts``)."""
     if state._hosts is not None and group is None:
-        return _topk_hosts(state, buffer, world, step, segments)
+        return _hosts_exchange(state, buffer, world, step, segments, _topk_pycomm)
     rank = dist.get_rank(group if group is not None else state.process_group)
     value_dtype = _wire_dtype(state, buffer)
     numel = buffer.numel()
@@ -991,6 +997,10 @@ def _host_key() -> str:
     return "|".join(parts)
 
 
+def _hosts_config(hosts):
+    return hosts if isinstance(hosts, (str, type(None))) else [list(h) for h in hosts]
+
+
 class _HostGroups:
     """TopKState(hosts=...): this rank's host, its leader and the groups the hierarchical
     exchange runs on. Two groups per host, one for the sum towards the leader and one
@@ -1024,16 +1034,19 @@ class _HostGroups:
         self.ready: Dict[str, Dict[int, Callable[[], None]]] = {"sparse": {}, "broadcast": {}}
 
     @staticmethod
-    def build(process_group, hosts) -> Optional["_HostGroups"]:
+    def build(process_group, hosts, op: str) -> Optional["_HostGroups"]:
+        """The groups for ``hosts`` (None: none, the flat exchange)."""
+        if hosts is None:
+            return None
         if not dist.is_initialized():
-            raise ValueError("pycomm topk_hook: hosts needs an initialised default process group "
+            raise ValueError(f"pycomm {op}: hosts needs an initialised default process group "
                              "(create the state after dist.init_process_group)")
         world = _group_size(process_group)
         if world != dist.get_world_size():
-            raise ValueError("pycomm topk_hook: hosts needs the state's group to be the whole default group "
+            raise ValueError(f"pycomm {op}: hosts needs the state's group to be the whole default group "
                              f"(it has {world} of {dist.get_world_size()} ranks)")
         if not _is_pycomm(process_group):
-            raise ValueError("pycomm topk_hook: hosts needs a pycomm process group (the sparse all-reduce)")
+            raise ValueError(f"pycomm {op}: hosts needs a pycomm process group (its compressed all-reduce)")
         rank = dist.get_rank(process_group)
         if hosts == "auto":
             keys: List[Optional[str]] = [None] * world
@@ -1046,11 +1059,11 @@ class _HostGroups:
             layout = [sorted(int(r) for r in ranks) for ranks in hosts]
             flat = sorted(r for ranks in layout for r in ranks)
             if flat != list(range(world)) or any(not ranks for ranks in layout):
-                raise ValueError("pycomm topk_hook: hosts must list every rank of the group once, in "
+                raise ValueError(f"pycomm {op}: hosts must list every rank of the group once, in "
                                  f"non-empty lists (got {hosts!r} for {world} ranks)")
             layout.sort(key=lambda ranks: ranks[0])
         else:
-            raise ValueError(f"pycomm topk_hook: hosts must be None, 'auto' or lists of ranks (got {hosts!r})")
+            raise ValueError(f"pycomm {op}: hosts must be None, 'auto' or lists of ranks (got {hosts!r})")
         if len(layout) in (1, world):
             return None  # one host, or one rank per host: the flat exchange is the same thing
         return _HostGroups(layout, rank, world, dist.get_backend(process_group))
@@ -1068,9 +1081,10 @@ class _HostGroups:
                 fn()  # under the lock: one bucket at a time, in bucket order
 
 
-def _topk_hosts(state: TopKState, buffer: torch.Tensor, world: int, step: int, segments):
-    """TopKState(hosts=...): the bucket summed on the host's leader, the leaders' sparse
-    all-reduce of their hosts' top-k, the result broadcast inside each host."""
+def _hosts_exchange(state, buffer: torch.Tensor, world: int, step: int, segments, exchange):
+    """``hosts=...``: the bucket summed on the host's leader, the leaders' compressed
+    all-reduce of their hosts' sums (``exchange``: _topk_pycomm or _quantize_pycomm, on the
+    leaders' group, divided by the whole world), the result broadcast inside each host."""
     h = state._hosts
     with h.lock:
         ticket = h.tickets
@@ -1134,8 +1148,8 @@ def _topk_hosts(state: TopKState, buffer: torch.Tensor, world: int, step: int, s
 
     def sparse() -> None:
         try:
-            averaged = _topk_pycomm(_pycomm_backend(h.leaders), state, buffer, world, step, segments,
-                                    group=h.leaders)
+            averaged = exchange(_pycomm_backend(h.leaders), state, buffer, world, step, segments,
+                                group=h.leaders)
         except Exception as e:  # noqa: BLE001
             fail(e)
             return
@@ -1150,12 +1164,15 @@ def _topk_hosts(state: TopKState, buffer: torch.Tensor, world: int, step: int, s
     return result.then(value)
 
 
-def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):
+def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments,
+                     group=None):
     """The bucket, plus its residual, through pycomm's two-phase quantized all-reduce
     (allreduce_quantized.cc): rank c owns chunk c (whole blocks) of every parameter; the C++
     kernels quantize, owners sum in float32 and requantize; both phases' errors land in the
     residual. Seeds are mixed from (seed, step, parameter ordinal, rank, chunk), so a
-    parameter's result does not depend on the bucket layout."""
+    parameter's result does not depend on the bucket layout. ``group``: as _topk_pycomm's."""
+    if state._hosts is not None and group is None:
+        return _hosts_exchange(state, buffer, world, step, segments, _quantize_pycomm)
     # float32 buckets are reduced in place (DDP's bucket is overwritten with the result anyway)
     data = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     residual = state._flat_residual(segments, buffer.numel())

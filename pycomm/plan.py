@@ -179,19 +179,26 @@ def _compressed(m: Dict[str, float], topology: Topology, nbytes: int, codec: Dic
         out[f"topk d={density:g}"] = (messages + moved(topk_wire_bytes(nbytes, density, n))
                                       + cpu * nbytes * codec["topk"])
     if topology.hosts > 1 and L > 1:
-        # TopKState(hosts=...): the host's sum through the arena (pycomm's shm reduce is
-        # its all-reduce), the leaders' top-k and sparse all-reduce (one rank per link),
-        # the leader's broadcast through the arena.
+        # TopKState / QuantizeState(hosts=...): the host's sum through the arena (pycomm's
+        # shm reduce is its all-reduce), the leaders' compressed all-reduce (one rank per
+        # link, the codec on the leader), the leader's broadcast through the arena.
         H = topology.hosts
         local = dict(_C.allreduce_costs(int(nbytes), cost=_cost_object(m), world_size=L, one_host=True, hosts=0,
                                         oversubscription=topology.oversubscription,
                                         ingress_limited=topology.ingress_limited))["shm"]
         broadcast = m["shm_alpha"] + nbytes * m["shm_beta"]
+        def one_per_link(sent: float) -> float:
+            return max(sent * m["beta"], cpu * sent * m.get("cpu_beta", 0.0))
+
         for density in DENSITIES:
-            sent = topk_wire_bytes(nbytes, density, H)
             leaders = (2.0 * m["alpha"] + 2.0 * (2 * (H - 1) - 1) * m["delta"]
-                       + max(sent * m["beta"], cpu * sent * m.get("cpu_beta", 0.0)) + cpu * nbytes * codec["topk"])
+                       + one_per_link(topk_wire_bytes(nbytes, density, H)) + cpu * nbytes * codec["topk"])
             out[f"topk d={density:g} hosts"] = local + leaders + broadcast
+        for bits in BITS:
+            wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
+            leaders = (2.0 * m["alpha"] + 2.0 * (H - 2) * m["delta"] + one_per_link(2.0 * (H - 1) / H * wire)
+                       + cpu * (nbytes * codec["quantize"] + (H - 1) / H * wire * m["gamma"]))
+            out[f"quantize {bits}-bit hosts"] = local + leaders + broadcast
     for bits in BITS:
         messages = 2.0 * m["alpha"] + 2.0 * (n - 2) * m["delta"]
         wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
@@ -466,8 +473,9 @@ def extrapolation(model, codec) -> List[str]:
                          f"hierarchical {big['hierarchical'] * 1e3:.1f} ms"
                          + (f"; compressed, flat (a direct exchange with every rank): topk d=0.01 "
                             f"{big['topk d=0.01'] * 1e3:.1f} ms, quantize 8-bit {big['quantize 8-bit'] * 1e3:.1f} ms; "
-                            f"among the host leaders (TopKState(hosts='auto')): topk d=0.01 "
-                            f"{big['topk d=0.01 hosts'] * 1e3:.1f} ms"
+                            f"among the host leaders (hosts='auto'): topk d=0.01 "
+                            f"{big['topk d=0.01 hosts'] * 1e3:.1f} ms, quantize 8-bit "
+                            f"{big['quantize 8-bit hosts'] * 1e3:.1f} ms"
                             if codec else ""))
     return lines
 
@@ -485,7 +493,7 @@ def write_plot(model, codec, path: str) -> None:
             topology = Topology(ranks // per_host, per_host, gbps, latency)
             costs = [predict(_network_only(model), topology, s, codec) for s in sizes]
             for name in ("ring", "sharded", "tree", "hierarchical", "topk d=0.01", "quantize 8-bit",
-                         "topk d=0.01 hosts"):
+                         "topk d=0.01 hosts", "quantize 8-bit hosts"):
                 if name in costs[0]:
                     ax.plot(sizes, [c[name] for c in costs], "--" if " " in name else "-", label=name)
             ax.set_xscale("log", base=2)
@@ -498,7 +506,7 @@ def write_plot(model, codec, path: str) -> None:
                 ax.set_ylabel("predicted time (s)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("pycomm cost model: predicted all-reduce time (8 ranks per host, flat over every rank "
-                 "except hierarchical and topk hosts; cpu_beta 0)")
+                 "except hierarchical and the hosts variants; cpu_beta 0)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -1,16 +1,17 @@
-"""TopKState(hosts=...): the hierarchical top-k exchange (pycomm/hooks.py _topk_hosts).
+"""hosts=...: the compressed hooks among host leaders (pycomm/hooks.py _hosts_exchange;
+TopKState and QuantizeState).
 
 4 ranks on this one host, told to act as 2 hosts of 2 ([[0, 1], [2, 3]]): each host's
-bucket is summed on its leader (ranks 0 and 2), the leaders select the top-k of the
-host's sum and run the sparse all-reduce between them, and broadcast the result.
+bucket is summed on its leader (ranks 0 and 2), the leaders compress the host's sum (top-k
+or 8-bit) and run the compressed all-reduce between them, and broadcast the result.
 
 The reference is the flat hook on a 2-rank group of the leaders, fed each host's sum
 (built locally from every rank's seeded gradients): with the same seeds, ordinals and
-group ranks it must give the same selection, residuals and small-parameter rounding,
-so the hierarchical result is exactly the reference's / 2 (4 ranks rather than 2; a
-power of two, so exact). Three steps of two buckets each, the second with parameters
-small enough to go through the 8-bit all-reduce, check error feedback on the leader
-and the order of the broadcasts; every rank must end with the same numbers."""
+group ranks it must give the same selection or rounding, residuals and small-parameter
+rounding, so the hierarchical result is exactly the reference's / 2 (4 ranks rather than
+2; a power of two, so exact). Three steps of two buckets each, the second with
+parameters small enough to go through top-k's 8-bit all-reduce, check error feedback on
+the leader and the order of the broadcasts; every rank must end with the same numbers."""
 from __future__ import annotations
 
 import pytest
@@ -64,21 +65,31 @@ def _delay_first_reduce_of_each_step(hooks_module):
     hooks_module.dist.reduce = staticmethod(reduce)
 
 
-def _hosts_worker(ctx, late=False):
+def _kind(kind):
+    """(state factory, hook) of a compressed hook with hosts=..."""
     from pycomm import hooks
-    from pycomm.hooks import TopKState, topk_hook
+
+    if kind == "topk":
+        return (lambda **kw: hooks.TopKState(density=0.01, **kw)), hooks.topk_hook
+    return (lambda **kw: hooks.QuantizeState(bits=8, **kw)), hooks.quantize_hook
+
+
+def _hosts_worker(ctx, late=False, kind="topk"):
+    from pycomm import hooks
+
+    make_state, hook = _kind(kind)
 
     rank = ctx.rank
     problems = []
     if late and rank == 0:
         _delay_first_reduce_of_each_step(hooks)
     params = [torch.nn.Parameter(torch.zeros(*shape)) for shape in SHAPES]
-    state = TopKState(density=0.01, hosts=HOSTS)
+    state = make_state(hosts=HOSTS)
     if state._hosts is None or state._hosts.is_leader != (rank in (0, 2)):
         return ["hosts=[[0, 1], [2, 3]] did not build the hierarchical exchange"]
     ref_group = dist.new_group([0, 2])  # every rank creates it; the leaders use it
     ref_params = [torch.nn.Parameter(torch.zeros(*shape)) for shape in SHAPES]
-    ref_state = TopKState(process_group=ref_group, density=0.01) if rank in (0, 2) else None
+    ref_state = make_state(process_group=ref_group) if rank in (0, 2) else None
     host = 0 if rank < 2 else 1
     for step in range(3):
         mine = _grads(rank, step)
@@ -87,7 +98,7 @@ def _hosts_worker(ctx, late=False):
         for b, positions in enumerate(LAYOUT):
             last = b == len(LAYOUT) - 1
             bucket = _Bucket([params[i] for i in positions], [mine[i] for i in positions], b, last)
-            futures.append(topk_hook(state, bucket))
+            futures.append(hook(state, bucket))
         for b, positions in enumerate(LAYOUT):
             last = b == len(LAYOUT) - 1
             got = futures[b].wait()
@@ -97,7 +108,7 @@ def _hosts_worker(ctx, late=False):
                 problems.append(f"step {step} bucket {b}: ranks hold different results")
             if ref_state is not None:
                 ref_bucket = _Bucket([ref_params[i] for i in positions], [host_sum[i] for i in positions], b, last)
-                expected = topk_hook(ref_state, ref_bucket).wait() / 2
+                expected = hook(ref_state, ref_bucket).wait() / 2
                 if not torch.equal(got, expected):
                     diff = (got - expected).abs().max().item()
                     problems.append(f"step {step} bucket {b}: differs from the leaders' flat hook on the "
@@ -117,12 +128,13 @@ def _problems(run, world):
     return [f"rank {r}: {p}" for r in range(world) for p in rets[r]]
 
 
+@pytest.mark.parametrize("kind", ["topk", "quantize"])
 @pytest.mark.parametrize("late", [False, True], ids=["in-order", "first-sum-late-on-one-leader"])
-def test_hosts_match_the_leaders_flat_hook(late):
+def test_hosts_match_the_leaders_flat_hook(late, kind):
     """``late``: rank 0's first bucket of each step finishes its sum after the second
     (its callback then runs after the second's): the leaders must still start their
-    sparse all-reduces in bucket order, or they pair different buckets."""
-    problems = _problems(spawn_run(_hosts_worker, 4, args=(late,), timeout_s=240, pg_timeout_s=30), 4)
+    compressed all-reduces in bucket order, or they pair different buckets."""
+    problems = _problems(spawn_run(_hosts_worker, 4, args=(late, kind), timeout_s=240, pg_timeout_s=30), 4)
     assert not problems, "\n".join(problems)
 
 

@@ -233,6 +233,7 @@ def test_compressed_messages_grow_with_the_ranks():
     assert big["topk d=0.01"] > big["hierarchical"], big
     # TopKState(hosts=...): the sparse exchange among the 512 leaders only
     assert big["topk d=0.01 hosts"] < min(big["topk d=0.01"], big["hierarchical"]), big
+    assert big["quantize 8-bit hosts"] < min(big["quantize 8-bit"], big["hierarchical"]), big
     assert "topk d=0.01 hosts" not in plan.predict(m, plan.Topology(8, 1, gbps=10.0), 64 << 20, codec)
 
 
