@@ -308,25 +308,63 @@ def _seconds_per_byte(fn, nbytes: int, repeats: int = 5) -> float:
 
 
 def _kernel_costs(nbytes: int = 16 << 20) -> Tuple[float, Dict[str, float]]:
-    """gamma (the reduction kernel, one thread) and the codecs' encode + decode per byte."""
+    """gamma (the reduction kernel, one thread) and the compressed hooks' kernels per
+    byte: top-k, the fused selection with error feedback (kernels.topk_ef_segments), a
+    zeroed output and the average written back; quantization, quantize, dequantize and
+    the average. A floor under what a hook's call costs (_hook_costs measures that),
+    taken only where no calibration is cached."""
     import torch
 
     k = _C.kernels
     n = nbytes // 4
     a, b = torch.randn(n), torch.randn(n)
     gamma = _seconds_per_byte(lambda: k.reduce(a, b, "sum", out=a), nbytes)
-    topk = _seconds_per_byte(lambda: k.topk(a, 0.01, False), nbytes)
+    residual = torch.zeros(n)
+    exact = n < (1 << 23)  # as the hook picks (hooks._APPROX_MIN_NUMEL)
+    topk = _seconds_per_byte(lambda: k.topk_ef_segments(a, residual, [0], [n], 0.01, [exact], [1], 0), nbytes)
+    average = _seconds_per_byte(lambda: torch.div(residual, 2.0, out=b), nbytes)  # hooks._averaged_into
+    topk += _seconds_per_byte(lambda: torch.zeros(n), nbytes) + average
     packed = k.quantize(a, 8, QUANT_BLOCK)
     quant = _seconds_per_byte(lambda: k.quantize(a, 8, QUANT_BLOCK), nbytes)
-    quant += _seconds_per_byte(lambda: k.dequantize(packed, n, 8, QUANT_BLOCK), nbytes)
+    quant += _seconds_per_byte(lambda: k.dequantize(packed, n, 8, QUANT_BLOCK), nbytes) + average
     return gamma, {"topk": topk, "quantize": quant}
+
+
+HOOK_COLUMNS = {"topk1%": "topk", "quant8": "quantize"}
+
+
+def _hook_costs(rows: Sequence[dict]) -> Dict[str, float]:
+    """Seconds per byte of a compressed hook's whole call on one bucket: the slope of
+    pycomm-bench's topk1% and quant8 columns over 1-64 MiB (``rows``: 2 ranks over TCP,
+    where the CPU, not a link, is the limit). It holds the encode with error feedback,
+    the compressed all-reduce's own CPU work (the owners' sums and selections, the
+    zeroed output), the average written back and the TCP copies of the few compressed
+    bytes. The codec kernels alone (_kernel_costs) are a fraction of it: on this VM
+    about a fifth for top-k."""
+    costs = {}
+    for column, key in HOOK_COLUMNS.items():
+        points = [(float(row["size_bytes"]), row["time_us"] * 1e-6) for row in rows
+                  if row["name"] == column and row["time_us"]]
+        costs[key] = max(_fit_regimes(points)[1], 1e-12)
+    return costs
+
+
+def _hook_rows(iters: int = 3) -> List[dict]:
+    """pycomm-bench's compressed columns, 2 ranks over TCP loopback, 1-64 MiB."""
+    from .bench import BenchConfig, run_benchmark
+
+    with _env("PYCOMM_TRANSPORT", "tcp"):
+        cfg = BenchConfig(nprocs=2, min_bytes=1 << 20, max_bytes=64 << 20, step_factor=4, iters=iters, warmup=1,
+                          algos=tuple(HOOK_COLUMNS), peer=None, check=False, quiet=True, tcp_reference=False)
+        return run_benchmark(cfg).rows
 
 
 def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) -> dict:
     """Measure this host's constants (2 ranks); returns the calibration (model, codec,
     the measured points). Over TCP loopback no link limits a byte, the CPU does: beta is
     0 and the ring's time per byte is cpu_beta (plus gamma/2)."""
-    gamma, codec = _kernel_costs()
+    gamma, _ = _kernel_costs()
+    codec = _hook_costs(_hook_rows())
     # 2-rank ring (allreduce_registry.cc), beta 0: 2 alpha + S cpu_beta + S/2 gamma.
     tcp = _sweep("ring", "tcp", max_bytes, iters)
     a, b = _fit_regimes(tcp)
@@ -345,10 +383,13 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) 
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "model": model, "codec": codec, "points": {"ring_tcp": tcp, "shm": shm}, "streams": streams,
                    "note": "beta 0: TCP loopback has no link limit, cpu_beta is its cost per byte; "
-                           "delta is the built-in default (not measured: it needs 3+ ranks)"}
+                           "delta is the built-in default (not measured: it needs 3+ ranks); codec: seconds "
+                           "per byte of a compressed hook's call on one bucket, 2 ranks over TCP, 1-64 MiB"}
     if verbose:
         print(f"# calibrated on {calibration['host']}: " + ", ".join(f"{k} {_fmt_const(k, v)}"
                                                                    for k, v in model.items()))
+        print("# compressed hooks' own work per byte of a bucket: "
+              + ", ".join(f"{k} {v * 1e9:.3f} ns" for k, v in codec.items()))
         print(f"# one TCP stream: {streams['per_stream_gbps']:.2f} Gbit/s; ring of {_size(max_bytes)}, 2 ranks: "
               + ", ".join(f"{n} stream(s) {t * 1e3:.2f} ms" for n, t in streams["ring_seconds"].items()))
     return calibration
@@ -592,11 +633,15 @@ def _host_rows(hosts: int, rate: Optional[str], algos: Sequence[str], min_bytes:
         return [row for row in run_benchmark(cfg).rows if row["time_us"]]
 
 
-def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) -> dict:
+def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
+                    hook_max_bytes: int = 64 << 20) -> dict:
     """The namespace path's constants (veth + bridge, no rate): pycomm's 2-host ring
     from 8 B, fitted as calibrate() fits loopback (beta 0, the CPU is the limit); the
-    shared-memory constants and delta from this host's calibration (or the built-in)."""
-    gamma, codec = _kernel_costs()
+    shared-memory constants and delta from this host's calibration (or the built-in);
+    the compressed hooks' own work per byte over the same path (2 hosts, 1 MiB to
+    ``hook_max_bytes``)."""
+    gamma, _ = _kernel_costs()
+    codec = _hook_costs(_host_rows(2, None, tuple(HOOK_COLUMNS), 1 << 20, max(hook_max_bytes, 4 << 20), 3, 1))
     points = [(float(row["size_bytes"]), row["time_us"] * 1e-6)
               for row in _host_rows(2, None, ("ring",), 8, max_bytes, iters, 3)]
     a, b = _fit_regimes(points)
@@ -620,16 +665,31 @@ def link_model(model: Dict[str, float], rate: Optional[str]) -> Dict[str, float]
     return m
 
 
+def _compressed_name(column: str) -> Optional[str]:
+    """The prediction's name of a pycomm-bench compressed column ("topk1%" -> "topk d=0.01",
+    "quant8" -> "quantize 8-bit"), or None."""
+    from .bench.runners import compressed_spec
+
+    spec = compressed_spec(column)
+    if spec is None:
+        return None
+    kind, value = spec
+    return f"topk d={value:g}" if kind == "topk" else f"quantize {int(value)}-bit"
+
+
 def validate_hosts(model: Dict[str, float], hosts: Sequence[int] = VALIDATE_HOSTS,
                    rates: Sequence[Optional[str]] = VALIDATE_RATES, min_bytes: int = 1 << 20,
                    max_bytes: int = 64 << 20, iters: int = 5, warmup: int = 2,
-                   workdir: Optional[str] = None, progress=None) -> List[dict]:
+                   workdir: Optional[str] = None, progress=None, codec: Optional[Dict[str, float]] = None,
+                   compressed: Sequence[str] = ()) -> List[dict]:
     """Across network namespaces (one rank per host, with and without tbf): every dense
     algorithm and auto, measured at sizes from ``min_bytes`` by 4x, against the
     prediction (the namespace model, the rate as the link, only egress limited, the
     hosts' ranks per core of this machine). The ranks' auto reads the same model with
     the rate (PYCOMM_COST_MODEL). One record per (hosts, rate, size, algorithm), and
-    one per (hosts, rate, size) for auto."""
+    one per (hosts, rate, size) for auto. ``compressed``: pycomm-bench's compressed
+    columns too ("topk1%", "quant8": a DDP hook's exchange of one bucket), against the
+    prediction with ``codec``."""
     import tempfile
 
     records: List[dict] = []
@@ -642,7 +702,7 @@ def validate_hosts(model: Dict[str, float], hosts: Sequence[int] = VALIDATE_HOST
                 if progress:
                     progress(f"# measuring {h} hosts, rate {rate or 'none'}")
                 # sharded does not run on 2 ranks under auto (the ring without its pipeline)
-                algos = [a for a in DENSE if h > 2 or a != "sharded"] + ["auto"]
+                algos = [a for a in DENSE if h > 2 or a != "sharded"] + ["auto"] + list(compressed)
                 rows = _host_rows(h, rate, algos, min_bytes, max_bytes, iters, warmup, path)
                 over = oversubscription(h)
                 by_size: Dict[int, Dict[str, dict]] = {}
@@ -657,6 +717,17 @@ def validate_hosts(model: Dict[str, float], hosts: Sequence[int] = VALIDATE_HOST
                         records.append({"hosts": h, "rate": rate, "size": size, "algo": algo,
                                         "oversubscription": over, "predicted": costs[algo], "measured": seconds,
                                         "error": (costs[algo] - seconds) / seconds})
+                    if codec:
+                        shape = Topology(h, 1, oversubscription=over, ingress_limited=False)
+                        predicted = _compressed(m, shape, size, codec)
+                        for column in compressed:
+                            name = _compressed_name(column)
+                            if column in got and name in predicted:
+                                seconds = got[column]["time_us"] * 1e-6
+                                records.append({"hosts": h, "rate": rate, "size": size, "algo": column,
+                                                "compressed": True, "oversubscription": over,
+                                                "predicted": predicted[name], "measured": seconds,
+                                                "error": (predicted[name] - seconds) / seconds})
                     if "auto" in got and measured:
                         pick = got["auto"]["selected"] or ""
                         fastest = min(measured, key=measured.get)
@@ -686,13 +757,14 @@ def validation_table(records: List[dict], goal: float = 0.25, auto_slack: float 
             lines.append(f"{r['hosts']:>5} {r['rate'] or 'none':>7} {_size(r['size']):>8} {r['picked']:>9} "
                          f"{r['predicted_best']:>10} {r['fastest']:>9} {100 * r['slowdown']:>+14.0f}%")
     lines.append("")
-    groups: Dict[Tuple[int, Optional[str]], List[dict]] = {}
+    groups: Dict[Tuple[int, Optional[str], bool], List[dict]] = {}
     for r in dense:
-        groups.setdefault((r["hosts"], r["rate"]), []).append(r)
-    for (h, rate), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] or "", kv[0][0])):
+        groups.setdefault((r["hosts"], r["rate"], r.get("compressed", False)), []).append(r)
+    for (h, rate, lossy), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1] or "", kv[0][0])):
         within = sum(abs(r["error"]) <= goal for r in rs)
         worst = max(rs, key=lambda r: abs(r["error"]))
-        lines.append(f"# {h} hosts, rate {rate or 'none'} ({rs[0]['oversubscription']:g} ranks per core): "
+        lines.append(f"# {'compressed: ' if lossy else ''}{h} hosts, rate {rate or 'none'} "
+                     f"({rs[0]['oversubscription']:g} ranks per core): "
                      f"{within}/{len(rs)} within {100 * goal:.0f}%, worst {100 * worst['error']:+.0f}% "
                      f"({worst['algo']}, {_size(worst['size'])})")
     if autos:
@@ -738,16 +810,24 @@ def _validate_command(args) -> None:
     header = [f"# python -m pycomm.plan {' '.join(sys.argv[1:]) if args.argv is None else ' '.join(args.argv)}",
               f"# {datetime.datetime.now().isoformat(timespec='seconds')} on {socket.gethostname()}, "
               f"{os.cpu_count()} CPUs; uptime before: {_uptime()}"]
+    compressed = [c.strip() for c in args.compressed.split(",") if c.strip()]
+    for column in compressed:
+        if _compressed_name(column) not in ("topk d=0.01", "topk d=0.001", "quantize 8-bit", "quantize 4-bit"):
+            raise ValueError(f"{PREFIX} --compressed {column!r}: the model has topk1%, topk0.1%, quant8, quant4")
     print("\n".join(header), flush=True)
-    calibration = calibrate_netns(max_bytes=min(args.max_bytes or 16 << 20, 16 << 20), iters=2 * args.iters)
+    calibration = calibrate_netns(max_bytes=min(args.max_bytes or 16 << 20, 16 << 20), iters=2 * args.iters,
+                                  hook_max_bytes=args.max_bytes or 64 << 20)
     print(f"# cached: {save_calibration(calibration, netns_cache_path())}", flush=True)
     model = calibration["model"]
     records = validate_hosts(model, hosts, rates, max_bytes=args.max_bytes or 64 << 20, iters=args.iters,
+                             codec=calibration["codec"], compressed=compressed,
                              progress=lambda text: print(text, flush=True))
     lines = header + [
         "# model (namespace path): " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()),
         f"# with a rate: beta = 1 / (rate x {TBF_PAYLOAD:.3f}), the TCP payload of a 1514-byte frame; only "
         "egress limited (tbf on each host's interface); ranks/core = hosts / this machine's CPUs",
+        *([f"# codecs (the hooks' work per byte besides the collective): "
+           + ", ".join(f"{k} {v * 1e9:.3f} ns" for k, v in calibration["codec"].items())] if compressed else []),
         f"# uptime after: {_uptime()}"] + validation_table(records)
     print("\n".join(lines[len(header):]))
     if args.out:
@@ -794,6 +874,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--validate", action="store_true",
                         help="predicted against measured across network namespaces (root): calibrate the "
                              "namespace path, then --validate-hosts x --rates, one rank per host")
+    parser.add_argument("--compressed", default="",
+                        help="with --validate: also pycomm-bench's compressed columns, e.g. topk1%%,quant8 "
+                             "(a DDP hook's exchange of one bucket, against the model with the calibrated codecs)")
     parser.add_argument("--validate-hosts", default=",".join(map(str, VALIDATE_HOSTS)),
                         help="host counts for --validate (default 2,4,8)")
     parser.add_argument("--rates", default=",".join(r or "none" for r in VALIDATE_RATES),

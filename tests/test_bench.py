@@ -222,7 +222,9 @@ def test_time_samples_disciplines():
 
 @pytest.mark.parametrize("args", [["-e", "12Q"], ["--op", "avg", "--dtype", "int32"], ["-f", "1"],
                                   ["-n", "0"], ["--plot", "out.jpg"],
-                                  ["--mpi", "--dtype", "bfloat16"], ["--mpi", "--op", "avg"]])
+                                  ["--mpi", "--dtype", "bfloat16"], ["--mpi", "--op", "avg"],
+                                  ["--algos", "ring,topk1%", "--dtype", "float64"],
+                                  ["--algos", "quant8", "--op", "max"], ["--algos", "topk0%"]])
 def test_cli_usage_errors(args, tmp_path):
     proc = _run_module("pycomm.bench", args, tmp_path, timeout=60)
     assert proc.returncode == 2, _describe(proc)
@@ -325,6 +327,58 @@ def test_cli_pycomm_vs_gloo(tmp_path):
     assert all("vs_mpi" not in row for row in rows) and "mpi" not in meta
     assert _png_size(plot) == (1430, 572) and plot.stat().st_size > 20_000
     assert f"# plot: {plot}" in proc.stdout
+
+
+def test_cli_compressed_columns(tmp_path):
+    """--algos topk1%,quant8: a DDP hook's exchange of one bucket per call, timed beside
+    the dense algorithms; lossy, so its check is SKIP while the dense columns are
+    checked; the result is the average of the ranks' buffers, to the codec's error."""
+    out = tmp_path / "out.json"
+    args = ["-n", "2", "-b", "64K", "-e", "1M", "-f", "16", "--iters", "3", "--warmup", "1",
+            "--algos", "ring,topk1%,quant8", "--peer", "none", "--json", str(out)]
+    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    meta, rows = _load_rows(out)
+    assert meta["algos"] == ["ring", "topk1%", "quant8"]
+    for size in (65536, 1 << 20):
+        at_size = {row["name"]: row for row in rows if row["size_bytes"] == size}
+        assert set(at_size) == {"ring", "topk1%", "quant8"}, at_size
+        assert at_size["ring"]["check"] == "OK"
+        for name in ("topk1%", "quant8"):
+            assert at_size[name]["check"] == "SKIP" and at_size[name]["time_us"] > 0, at_size[name]
+    assert "# check: OK" in proc.stdout
+
+
+def _compressed_runner_worker(ctx):
+    out = {}
+    for name in ("quant8", "topk1%"):
+        kind, value = runners.compressed_spec(name)
+        runner = runners.CompressedRunner(name, kind, value, dist.ReduceOp.SUM)
+        buffer = torch.zeros(4096)  # the column ignores what is in it: it copies its gradient in
+        runner.call(buffer)
+        out[name] = buffer
+    return out
+
+
+def test_compressed_runner_averages():
+    """The column's call is the hook's average of the ranks' gradient-like buffers
+    (normal values seeded by rank and size): 8-bit is their mean to within the codec's
+    step; top-k sends about 1% of the entries, the same result on both ranks."""
+    from mp_util import spawn_run
+
+    results = spawn_run(_compressed_runner_worker, 2, timeout_s=120).check().returns
+    grads = [torch.randn(4096, generator=torch.Generator().manual_seed(1000003 * r + 4096)) for r in range(2)]
+    mean = (grads[0] + grads[1]) / 2
+    scale = max(g.abs().max().item() for g in grads)
+    for r in range(2):
+        q = results[r]["quant8"]
+        # stochastic rounding: at most a step of each rank's codes (max |x| / 127 per block)
+        # and of the owner's requantized sum (up to twice that), halved by the average
+        assert torch.allclose(q, mean, atol=(2 * scale / 127 + 2 * scale / 127) / 2), (q - mean).abs().max()
+        t = results[r]["topk1%"]
+        kept = int((t != 0).sum())
+        assert 0 < kept <= 2 * 41 and torch.equal(t, results[0]["topk1%"]), kept
+        assert t.abs().max() > 0.5 * mean.abs().max()  # the largest entries go first
 
 
 @requires_backend

@@ -43,7 +43,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--algos", default="auto,ring,tree,sharded",
                         help="comma-separated pycomm algorithms to measure: auto (what pycomm "
                              "picks: shm when every rank shares a host), ring, tree, sharded, "
-                             "shm, hierarchical")
+                             "shm, hierarchical; and the compressed DDP hooks' exchange of one "
+                             "bucket (encode with error feedback, compressed all-reduce, average; "
+                             "lossy, not checked): topk1%% (any density), quant8, quant4")
     parser.add_argument("--backend", default="pycomm",
                         help="backend under test; any other than pycomm (e.g. gloo) is measured "
                              "as a single column and --algos is ignored")

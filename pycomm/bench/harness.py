@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..launch import launch_workers, torchrun_env
 
 from .report import TablePrinter, import_pyplot, join_mpi, print_peers, write_json, write_plot
-from .runners import PycommRunner, TorchControl, TorchRunner, import_pycomm
+from .runners import CompressedRunner, PycommRunner, TorchControl, TorchRunner, compressed_spec, import_pycomm
 from .sweep import (
     DTYPES,
     OPS,
@@ -67,6 +67,10 @@ def _columns(cfg: BenchConfig, pycomm, timeout) -> List[Runner]:
     runs: List[Runner] = []
     if cfg.backend == "pycomm":
         for algo in cfg.algos:
+            spec = compressed_spec(algo)
+            if spec is not None:  # a compressed DDP hook's exchange (topk1%, quant8, ...)
+                runs.append(CompressedRunner(algo, spec[0], spec[1], op))
+                continue
             try:
                 pycomm.set_algorithm(algo)
             except Exception as exc:  # a usage error: same on every rank
