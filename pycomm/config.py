@@ -167,9 +167,13 @@ def _count(env, name: str, most: int) -> int | str:
 
 def _per_stream(env) -> float | None:
     """One TCP stream's throughput (Gbit/s) from the calibration PYCOMM_COST_MODEL
-    names, else this host's cache; None when not measured."""
+    names, else (unset) this host's cache; None when not measured, or with
+    PYCOMM_COST_MODEL=default (the built-in constants: nothing measured, whatever the
+    cache holds)."""
     knob = env.get("PYCOMM_COST_MODEL", "").strip()
-    path = knob if knob and knob != "default" else cost_cache_path(env)
+    if knob == "default":
+        return None
+    path = knob if knob else cost_cache_path(env)
     try:
         with open(path) as handle:
             value = float(json.load(handle)["streams"]["per_stream_gbps"])

@@ -165,6 +165,15 @@ def test_auto_fills_the_link_with_the_fewest_streams(tmp_path, monkeypatch):
                     '"shm_alpha": 1e-6, "shm_beta": 1e-11}, "streams": {"per_stream_gbps": 12.5}}')
     assert config.load_config({"PYCOMM_COST_MODEL": str(path)}).per_stream_gbps == 12.5
     assert config.load_config({"PYCOMM_COST_MODEL": "default"}).per_stream_gbps is None
+    # ... whatever this host's cache holds (a developer who ran --calibrate has one): the
+    # built-in constants measured nothing. Unset, the cache is what counts.
+    cache = tmp_path / "cache"
+    (cache / "pycomm").mkdir(parents=True)
+    env = {"XDG_CACHE_HOME": str(cache)}
+    with open(config.cost_cache_path(env), "w") as handle:
+        handle.write(path.read_text())
+    assert config.load_config(dict(env, PYCOMM_COST_MODEL="default")).per_stream_gbps is None
+    assert config.load_config(env).per_stream_gbps == 12.5
     # A link's speed is the kernel's, in Mbit/s; loopback has none, nor has a virtual
     # interface (a veth reports 10000 whatever its tc limit).
     assert streams.link_gbps("127.0.0.1") is None
