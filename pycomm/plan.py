@@ -157,53 +157,50 @@ def _compressed(m: Dict[str, float], topology: Topology, nbytes: int, codec: Dic
     exchange: a top-k phase sends a header and a payload to each peer, a quantized
     phase one message), the bytes one rank sends (topk_wire_bytes; b-bit quantization
     sends b/32 of the buffer plus a float32 scale per block, 2 (n-1)/n of that), on a
-    link its host's L ranks share, plus encode and decode per input byte. The hooks' small parameters (a separate 8-bit
+    link its host's L ranks share, plus the hook's own work per input byte (codec).
+    With L > 1 ranks on each of several hosts, also the hosts=... variants: the same
+    exchange among the H host leaders, one per link, between the host's sum and its
+    broadcast through the arena. The hooks' small parameters (a separate 8-bit
     all-reduce per bucket) are not part of it: they depend on the model's shapes."""
     n = topology.ranks
     if n < 2:
         return {}
     cpu = max(1.0, topology.oversubscription)
+
+    def exchange(ranks: int, on_link: float) -> Dict[str, float]:
+        """Every compressed all-reduce over ``ranks`` owners, each rank's bytes sharing its
+        link ``on_link``-fold: a byte costs the link or the TCP copies, whichever is slower
+        (as the dense formulas); the hook's work is CPU time of its own, scaled by the ranks
+        per core."""
+        def moved(sent: float) -> float:
+            return max(on_link * sent * m["beta"], cpu * sent * m.get("cpu_beta", 0.0))
+
+        costs = {}
+        for density in DENSITIES:
+            costs[f"topk d={density:g}"] = (2.0 * m["alpha"] + 2.0 * (2 * (ranks - 1) - 1) * m["delta"]
+                                            + moved(topk_wire_bytes(nbytes, density, ranks))
+                                            + cpu * nbytes * codec["topk"])
+        for bits in BITS:
+            wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
+            costs[f"quantize {bits}-bit"] = (2.0 * m["alpha"] + 2.0 * (ranks - 2) * m["delta"]
+                                             + moved(2.0 * (ranks - 1) / ranks * wire)
+                                             + cpu * (nbytes * codec["quantize"]
+                                                      + (ranks - 1) / ranks * wire * m["gamma"]))
+        return costs
+
     # With L ranks per host, every rank sends (n - L)/(n - 1) of its bytes off the host
-    # and the L ranks share its link; a byte costs the link or the TCP copies, whichever
-    # is slower (as the dense formulas); the codecs are CPU time of their own, scaled
-    # by the ranks per core.
+    # and the L ranks share its link.
     L = topology.ranks_per_host if topology.hosts > 1 else 1
-    on_link = L * (n - L) / (n - 1.0) if topology.hosts > 1 else 1.0
-
-    def moved(sent: float) -> float:
-        return max(on_link * sent * m["beta"], cpu * sent * m.get("cpu_beta", 0.0))
-
-    out = {}
-    for density in DENSITIES:
-        messages = 2.0 * m["alpha"] + 2.0 * (2 * (n - 1) - 1) * m["delta"]
-        out[f"topk d={density:g}"] = (messages + moved(topk_wire_bytes(nbytes, density, n))
-                                      + cpu * nbytes * codec["topk"])
+    out = exchange(n, L * (n - L) / (n - 1.0) if topology.hosts > 1 else 1.0)
     if topology.hosts > 1 and L > 1:
         # TopKState / QuantizeState(hosts=...): the host's sum through the arena (pycomm's
-        # shm reduce is its all-reduce), the leaders' compressed all-reduce (one rank per
-        # link, the codec on the leader), the leader's broadcast through the arena.
-        H = topology.hosts
+        # shm reduce is its all-reduce), the leaders' exchange, the leader's broadcast.
         local = dict(_C.allreduce_costs(int(nbytes), cost=_cost_object(m), world_size=L, one_host=True, hosts=0,
                                         oversubscription=topology.oversubscription,
                                         ingress_limited=topology.ingress_limited))["shm"]
         broadcast = m["shm_alpha"] + nbytes * m["shm_beta"]
-        def one_per_link(sent: float) -> float:
-            return max(sent * m["beta"], cpu * sent * m.get("cpu_beta", 0.0))
-
-        for density in DENSITIES:
-            leaders = (2.0 * m["alpha"] + 2.0 * (2 * (H - 1) - 1) * m["delta"]
-                       + one_per_link(topk_wire_bytes(nbytes, density, H)) + cpu * nbytes * codec["topk"])
-            out[f"topk d={density:g} hosts"] = local + leaders + broadcast
-        for bits in BITS:
-            wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
-            leaders = (2.0 * m["alpha"] + 2.0 * (H - 2) * m["delta"] + one_per_link(2.0 * (H - 1) / H * wire)
-                       + cpu * (nbytes * codec["quantize"] + (H - 1) / H * wire * m["gamma"]))
-            out[f"quantize {bits}-bit hosts"] = local + leaders + broadcast
-    for bits in BITS:
-        messages = 2.0 * m["alpha"] + 2.0 * (n - 2) * m["delta"]
-        wire = nbytes * bits / 32.0 + nbytes / 4.0 / QUANT_BLOCK * 4.0
-        out[f"quantize {bits}-bit"] = (messages + moved(2.0 * (n - 1) / n * wire)
-                                       + cpu * (nbytes * codec["quantize"] + (n - 1) / n * wire * m["gamma"]))
+        for name, seconds in exchange(topology.hosts, 1.0).items():
+            out[f"{name} hosts"] = local + seconds + broadcast
     return out
 
 
