@@ -293,16 +293,24 @@ class _CompressionState:
         self.step = 0  # synchronised iterations completed (no_sync() iterations are not counted)
         self._residuals: Dict[int, torch.Tensor] = {}
         self._ordinals: Dict[int, Tuple[weakref.ref, int]] = {}
+        self._next_ordinal = 0  # never reused: a dead parameter's id may come back on a new one
         self._flat: Dict[tuple, torch.Tensor] = {}  # per bucket layout: its residuals, one tensor
         self._momenta: Dict[int, torch.Tensor] = {}  # DGC velocities (TopKState(momentum > 0))
         self._generator = torch.Generator()
 
     # -- parameters ------------------------------------------------------------
     def _ordinal(self, param: torch.Tensor) -> int:
+        """The parameter's number, in the order the state first saw it (the same on every
+        rank). A parameter that replaces a dead one at the same id() gets a new number:
+        counting the table instead (as before) handed it the number of the next new
+        parameter too, so two parameters shared a residual; which ids Python reuses
+        differs between ranks, so one rank raised while the others waited in the
+        collective."""
         entry = self._ordinals.get(id(param))
         if entry is not None and entry[0]() is param:
             return entry[1]
-        ordinal = len(self._ordinals)
+        ordinal = self._next_ordinal
+        self._next_ordinal += 1
         self._ordinals[id(param)] = (weakref.ref(param), ordinal)
         return ordinal
 

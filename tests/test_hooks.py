@@ -181,6 +181,36 @@ def test_topk_approx_density_band():
     assert set(idx.tolist()) == set(C.topk_exact(small, 25)[0].tolist())
 
 
+@pytest.mark.parametrize("kind", ["TopKState", "QuantizeState"])
+def test_a_parameter_at_a_dead_ones_id_gets_an_ordinal_of_its_own(kind):
+    # One state over tensors that come and go (pycomm-bench's compressed columns: a new
+    # buffer per message size; a model rebuilt under the same state): CPython gives a new
+    # tensor the id() of one just freed. The state used to number a parameter by the size
+    # of its table, which that tensor overwrote without growing, so the next new parameter
+    # got the same number: two parameters of different sizes on one residual, a ValueError
+    # on the ranks where the id came back while the others waited in the collective (CI:
+    # test_calibrate_and_cache stalled 300 s).
+    from pycomm import hooks as H
+
+    state = getattr(H, kind)()
+    kept, first = torch.zeros(3), torch.zeros(5)
+    ordinals = [state._ordinal(kept), state._ordinal(first)]
+    dead = id(first)
+    del first
+    reborn = None
+    for _ in range(1000):
+        candidate = torch.zeros(7)
+        if id(candidate) == dead:
+            reborn = candidate
+            break
+        del candidate
+    assert reborn is not None, "CPython reused no id in 1000 tensors: this test no longer reaches its case"
+    fresh = torch.zeros(9)
+    ordinals += [state._ordinal(reborn), state._ordinal(fresh)]
+    assert ordinals == [0, 1, 2, 3]
+    assert (state._ordinal(kept), state._ordinal(reborn), state._ordinal(fresh)) == (0, 2, 3)  # stable
+
+
 # ---------------------------------------------------------------------------
 # multi-process helpers
 # ---------------------------------------------------------------------------
