@@ -79,6 +79,9 @@ void appendNonzero(const float* s, size_t length, std::vector<Candidate>& out) {
     if (s[i] != 0.0f) out.push_back({magnitudeKey(s[i]), static_cast<uint32_t>(i)});
 }
 
+// How far ahead the loops over scattered positions known in advance prefetch.
+constexpr size_t kAhead = 16;
+
 void checkValueType(DataType type) {
   PYCOMM_CHECK_USAGE(type == DataType::kFloat32 || type == DataType::kFloat16 ||
                    type == DataType::kBFloat16,
@@ -133,8 +136,12 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
       const int c = ordered[at].second;
       rel[c].push_back(static_cast<uint32_t>(p.local + (index - p.global)));
       vals[c].push_back(values[j]);
-      if (residual != nullptr && opts.valueType != DataType::kFloat32)
-        residual[index] += values[j] - wireRoundTrip(values[j], opts.valueType);
+    }
+    if (residual != nullptr && opts.valueType != DataType::kFloat32) {
+      for (size_t j = 0; j < nnz; ++j) {  // scattered: the target kAhead pairs on is prefetched
+        if (j + kAhead < nnz) __builtin_prefetch(residual + indices[j + kAhead], 1);
+        residual[indices[j]] += values[j] - wireRoundTrip(values[j], opts.valueType);
+      }
     }
     for (int c = 0; c < n; ++c) toOwner[c] = encodeSparse(rel[c], vals[c].data(), own.owned[c], opts.valueType);
   }
@@ -215,16 +222,26 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   auto place = [&](int c, const SparseHeader& h, const uint8_t* payload) {
     const std::vector<Piece>& pieces = own.pieces[c];
     size_t at = 0;
-    checkDecoded(comm, c, visitSparse(h, payload, own.owned[c], opts.valueType, [&](size_t i, float v) {
-                   while (pieces[at].local + pieces[at].length <= i) ++at;
-                   out[pieces[at].global + (i - pieces[at].local)] += v;
-                 }));
+    ScatterAdd adds;
+    const char* problem = visitSparse(h, payload, own.owned[c], opts.valueType, [&](size_t i, float v) {
+      while (pieces[at].local + pieces[at].length <= i) ++at;
+      adds.add(out + pieces[at].global + (i - pieces[at].local), v);
+    });
+    adds.flush();
+    checkDecoded(comm, c, problem);
   };
   place(r, *reduced.header(), reduced.payload());
   // What this owner did not send: only where the sum is nonzero can it differ from
   // `out` (elsewhere both are zero).
   if (residual != nullptr)
-    for (const auto& [global, local] : nonzero) residual[global] += sum[local] - out[global];
+    for (size_t j = 0; j < nonzero.size(); ++j) {
+      if (j + kAhead < nonzero.size()) {
+        __builtin_prefetch(residual + nonzero[j + kAhead].first, 1);
+        __builtin_prefetch(out + nonzero[j + kAhead].first, 0);
+      }
+      const auto [global, local] = nonzero[j];
+      residual[global] += sum[local] - out[global];
+    }
 
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;

@@ -99,10 +99,38 @@ const char* visitSparse(const SparseHeader& h, const uint8_t* payload, size_t ch
   return nullptr;
 }
 
+// `*target += v` for scattered targets, kBatch at a time: each target is prefetched as
+// it becomes known and the additions run, in the order given, once kBatch are known,
+// so the cache and TLB misses of a batch overlap. One at a time, each waited for its
+// miss: on a 64 MiB bucket at 1% these scattered additions were most of the sparse
+// all-reduce's time. The sums are the same, bit for bit (same additions, same order).
+class ScatterAdd {
+ public:
+  static constexpr int kBatch = 32;
+  void add(float* target, float v) {
+    __builtin_prefetch(target, 1);
+    targets_[n_] = target;
+    values_[n_] = v;
+    if (++n_ == kBatch) flush();
+  }
+  void flush() {
+    for (int i = 0; i < n_; ++i) *targets_[i] += values_[i];
+    n_ = 0;
+  }
+
+ private:
+  float* targets_[kBatch];
+  float values_[kBatch];
+  int n_ = 0;
+};
+
 // Adds a message's values into acc[0 .. chunk) (visitSparse's checks and guarantees).
 inline const char* accumulateSparse(const SparseHeader& h, const uint8_t* payload, size_t chunk,
                                     DataType type, float* acc) {
-  return visitSparse(h, payload, chunk, type, [acc](size_t i, float v) { acc[i] += v; });
+  ScatterAdd adds;
+  const char* problem = visitSparse(h, payload, chunk, type, [&adds, acc](size_t i, float v) { adds.add(acc + i, v); });
+  adds.flush();
+  return problem;
 }
 
 // The most payload bytes a well-formed message for `elements` elements can take
