@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -244,6 +245,9 @@ def _netns_child(netns, blob, rank, world_size, backend, conn, *rest):
 def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_timeout_s, make_ref, env,
            master_addr="127.0.0.1", pre_init=None):
     q = _Sender(conn)
+    # A rank that dies on a signal (SIGSEGV, SIGABRT, ...) prints every thread's Python
+    # stack to stderr (the test's captured output) before it goes: which call crashed.
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(env)  # the parent's environment at the call, with the run's on top
     dist = None
