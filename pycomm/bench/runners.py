@@ -131,7 +131,8 @@ class CompressedRunner(TorchRunner):
     the column. Each call first copies a gradient-like buffer in (normal values, seeded
     by the rank and size; the copy is timed too, as DDP's copy into its bucket would
     be): the sweep's constant fill is all ties, which top-k's exact selection handles
-    far more slowly than real gradients (16 MiB at 2 ranks: 87-92 ms against 33.5 over TCP)."""
+    far more slowly than real gradients (16 MiB at 2 ranks over TCP, 2026-11-26: 87-92 ms
+    against 33.5)."""
 
     exact = False
 
