@@ -41,6 +41,12 @@ def gen(n, kind="normal", seed=0):
     if kind == "zeros995":  # fewer nonzeros than k at 1 %: the rest are ties at 0
         x = torch.randn(n, generator=g)
         return x * (torch.rand(n, generator=g) < 0.005)
+    if kind == "zeros_denormal":  # mostly +-0, a few normal and a few denormal values
+        x = torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.003)
+        tiny = torch.rand(n, generator=g) < 0.004
+        x[tiny] = torch.randn(int(tiny.sum()), generator=g) * 1e-40  # denormal floats
+        x[torch.rand(n, generator=g) < 0.3] *= -1  # some zeros become -0.0
+        return x
     if kind == "pm1":  # only +-1 and +-2: huge ties at the threshold
         return (torch.randint(1, 3, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)).float()
     raise ValueError(kind)
@@ -127,10 +133,32 @@ def test_topk_exact_sampled_matches_torch(kind, n):
     check_topk_exact(gen(n, kind, seed=n + 1), 1 / 16)
 
 
-@pytest.mark.parametrize("kind", ["pm1", "zeros995", "zeros90"])
+@pytest.mark.parametrize("kind", ["pm1", "zeros995", "zeros90", "zeros_denormal"])
 def test_topk_exact_with_ties(kind):
     check_topk_exact(gen(50000, kind, seed=3), 0.01)
     check_topk_exact(torch.full((1000,), -3.0), 0.1)
+
+
+@pytest.mark.parametrize("density", [0.01, 0.005, 0.002])
+def test_topk_exact_among_zeros(density):
+    # 2^20 elements, 7,256 nonzero of which 4,150 denormal. The k-th largest magnitude
+    # among the zeros at 1% (k = 10,486: every nonzero element, then the lowest-index
+    # zeros), among the denormals at 0.5% (both in the lowest histogram bin), among the
+    # normal values at 0.2%; with error feedback the same selection of g + e, and e holds
+    # what was not sent.
+    x = gen(1 << 20, "zeros_denormal", seed=5)
+    nonzero, normal = int((x != 0).sum()), int((x.abs() > 1e-37).sum())
+    assert normal < K.topk_count(x.numel(), 0.005) < nonzero < K.topk_count(x.numel(), 0.01)
+    check_topk_exact(x, density)
+    g, e = x.clone(), torch.zeros_like(x)
+    e[::7] = x[::7]  # the sum is x again, split between g and e
+    g[::7] = 0.0
+    idx, val = K.topk_ef(g, e, density, exact=True, seed=0)
+    ref_idx, ref_val = K.topk(x, density, exact=True)
+    assert torch.equal(idx, ref_idx) and torch.equal(val, ref_val)
+    sent = torch.zeros_like(x)
+    sent[idx] = val
+    assert torch.equal(e, x - sent)
 
 
 def check_approx(x, density, seed=0):

@@ -223,6 +223,32 @@ std::vector<uint64_t> keyHistogram(const float* g, float* x, size_t n) {
 constexpr size_t kExactSampleMax = 4096;
 constexpr size_t kExactSampledMinCount = 8192;
 
+void collectZeros(const float* x, size_t n, size_t quota, std::vector<int64_t>& out);
+
+// The exact selection when the k-th largest key is in the lowest histogram bin, with the
+// zeros: fewer than about k nonzero elements (an embedding's dense gradient, a frozen
+// block). Collecting that bin would hand selectFromHits every zero (16 MiB of zeros:
+// several times the usual selection); instead the nonzero elements, and if they are
+// fewer than k, the first zeros by index (the ties at 0 go to the lowest indices, as
+// selectFromHits breaks them). Written in index order.
+void exactAmongZeros(const float* x, size_t n, size_t k, int64_t* indices, float* values) {
+  Hits hits;
+  collectAtLeast(x, nullptr, n, 1, hits);  // key >= 1: every nonzero element, denormals too
+  if (hits.size() >= k) {
+    selectFromHits(hits, k, indices, values);
+    return;
+  }
+  std::vector<int64_t> zeros;
+  collectZeros(x, n, k - hits.size(), zeros);
+  size_t a = 0, b = 0;
+  for (size_t out = 0; out < k; ++out) {
+    const bool fromHits = b == zeros.size() || (a < hits.size() && hits.index[a] < zeros[b]);
+    const int64_t i = fromHits ? hits.index[a++] : zeros[b++];
+    indices[out] = i;
+    values[out] = x[i];
+  }
+}
+
 // The exact selection over x[0, n). With g != nullptr, x is e, and e <- g + e first
 // (fused into the first pass).
 void exactImpl(const float* x, size_t n, size_t k, int64_t* indices, float* values,
@@ -268,6 +294,7 @@ void exactImpl(const float* x, size_t n, size_t k, int64_t* indices, float* valu
     atOrAbove += hist[bin];
     if (atOrAbove >= k) break;
   }
+  if (bin == 0) return exactAmongZeros(x, n, k, indices, values);
   // Pass 2: everything in or above the k-th bin, then an exact selection among it.
   Hits hits;
   hits.index.reserve(atOrAbove);
