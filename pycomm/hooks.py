@@ -759,6 +759,13 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
 # pycomm fast paths: C++ kernels + C++ compressed collectives
 # ---------------------------------------------------------------------------
 
+def _returned(buffer: torch.Tensor):
+    def finish(fut):
+        _future_tensor(fut)  # re-raises a failed collective
+        return buffer
+    return finish
+
+
 def _averaged_into(buffer: torch.Tensor, world: int):
     def finish(fut):
         total = _future_tensor(fut)  # re-raises a failed collective
@@ -831,13 +838,15 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
 
 
 def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual, value_dtype, lengths,
-                      dense, step: int, group=None) -> torch.futures.Future:
+                      dense, step: int, group=None, divisor: int = 1) -> torch.futures.Future:
     """Starts the sparse all-reduce of (indices, values) into ``out`` and, when ``dense``
     lists parameters too small to pay, one all-reduce (SUM) of all of them, issued right
     after it (the same order on every rank): exact in float32, or quantized to
     ``state.small_bits`` with its error written into their residuals. The future
-    completes with ``out`` holding the sums of all ranks, the small parameters' included."""
-    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density, lengths)
+    completes with ``out`` holding the sums of all ranks, the small parameters' included,
+    divided by ``divisor`` (the same float division as dividing ``out`` afterwards)."""
+    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density, lengths,
+                                    float(divisor))
     fut = work.get_future()
     if not dense:
         return fut
@@ -860,7 +869,10 @@ def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual,
             f.value()  # re-raises a failed collective
         at = 0
         for offset, x, e, _ in dense:
-            out[offset: offset + x.numel()].copy_(flat[at: at + x.numel()])
+            if divisor == 1:
+                out[offset: offset + x.numel()].copy_(flat[at: at + x.numel()])
+            else:
+                torch.div(flat[at: at + x.numel()], divisor, out=out[offset: offset + x.numel()])
             if error is not None:
                 e.copy_(error[at: at + x.numel()])
             at += x.numel()
@@ -979,11 +991,15 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
         _launch_step(backend, state, world)  # buckets of this step already waiting go first
     residual = state._flat_residual(segments, numel)
     indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, 0, value_dtype)
-    # The encode has read the bucket: a float32 CPU bucket takes the sums itself (averaged
-    # in place after), which spares a bucket-sized allocation per call; fresh pages of a
-    # large one are faulted in again every call (16 MiB at 2 ranks: ~10 of a 22 ms call).
-    out = buffer if buffer.dtype == torch.float32 and buffer.is_contiguous() else torch.empty(numel,
-                                                                                              dtype=torch.float32)
+    # The encode has read the bucket: a float32 CPU bucket takes the average itself (the
+    # collective divides as it places the sums), which spares a bucket-sized allocation
+    # per call, whose fresh pages were faulted in every call (16 MiB at 2 ranks: ~10 of a
+    # 22 ms call), and the pass that divided it.
+    if buffer.dtype == torch.float32 and buffer.is_contiguous():
+        fut = _sparse_and_dense(backend, state, indices, values, buffer, residual, value_dtype, lengths, dense,
+                                step, group, divisor=world)
+        return fut.then(_returned(buffer))
+    out = torch.empty(numel, dtype=torch.float32)
     fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step,
                             group)
     return fut.then(_averaged_into(buffer, world))

@@ -311,6 +311,13 @@ def _pg_worker(ctx):
     pg.allreduce_sparse(indices[rank], values[rank], out, res, "bfloat16", 0.02, segments).wait()
     if not torch.equal(out, ref_out[rank]) or not torch.equal(res, ref_res[rank]):
         problems.append("allreduce_sparse differs from the loopback run")
+    # divided as placed: the same floats as dividing the sums afterwards, the same residual
+    averaged, res = torch.full((count,), 7.0), torch.zeros(count)  # out's old values must not matter
+    pg.allreduce_sparse(indices[rank], values[rank], averaged, res, "bfloat16", 0.02, segments, world).wait()
+    if not torch.equal(averaged, ref_out[rank] / world) or not torch.equal(res, ref_res[rank]):
+        problems.append("allreduce_sparse with divisor=world is not the sums / world, bit for bit")
+    if not (averaged != 0).any():
+        problems.append("allreduce_sparse with a divisor: nothing reached out")
     # usage errors raise at the call, naming the op; the group stays usable
     bad = [
         (TypeError, "float32", lambda: pg.allreduce_quantized(torch.zeros(4, dtype=torch.float64))),
@@ -323,6 +330,8 @@ def _pg_worker(ctx):
                                                                  value_dtype="float64")),
         (ValueError, "differ in length", lambda: pg.allreduce_sparse(torch.tensor([1]), torch.ones(2),
                                                                       torch.zeros(4))),
+        (ValueError, "divisor", lambda: pg.allreduce_sparse(torch.tensor([1]), torch.ones(1), torch.zeros(4),
+                                                             divisor=0.0)),
     ]
     for exc, text, call in bad:
         try:

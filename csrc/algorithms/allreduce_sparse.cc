@@ -104,6 +104,8 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
                                       size_t nnz, size_t count, const std::vector<size_t>& segments,
                                       float* out, float* residual, const SparseAllreduceOptions& opts) {
   checkValueType(opts.valueType);
+  PYCOMM_CHECK_USAGE(opts.divisor > 0.0f && opts.divisor <= 3.0e38f,
+                     "pycomm allreduce_sparse: the divisor must be positive and finite (got ", opts.divisor, ")");
   PYCOMM_CHECK_USAGE(opts.keepDensity >= 0.0 && opts.keepDensity <= 1.0,
                "pycomm allreduce_sparse: keep density must be in [0, 1] (got ", opts.keepDensity, ")");
   checkSparseInput("allreduce_sparse", indices, nnz, count);
@@ -219,10 +221,10 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   // ascending owned-space order, so one walk over c's pieces maps them. Zeroing `out`
   // first is the only pass over the whole buffer.
   std::fill(out, out + count, 0.0f);
-  auto place = [&](int c, const SparseHeader& h, const uint8_t* payload) {
+  auto place = [&](int c, const SparseHeader& h, const uint8_t* payload, float divisor) {
     const std::vector<Piece>& pieces = own.pieces[c];
     size_t at = 0;
-    ScatterAdd adds;
+    ScatterAdd adds(divisor);
     const char* problem = visitSparse(h, payload, own.owned[c], opts.valueType, [&](size_t i, float v) {
       while (pieces[at].local + pieces[at].length <= i) ++at;
       adds.add(out + pieces[at].global + (i - pieces[at].local), v);
@@ -230,7 +232,7 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
     adds.flush();
     checkDecoded(comm, c, problem);
   };
-  place(r, *reduced.header(), reduced.payload());
+  place(r, *reduced.header(), reduced.payload(), 1.0f);  // the residual below needs the sums
   // What this owner did not send: only where the sum is nonzero can it differ from
   // `out` (elsewhere both are zero).
   if (residual != nullptr)
@@ -242,6 +244,15 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
       const auto [global, local] = nonzero[j];
       residual[global] += sum[local] - out[global];
     }
+  if (opts.divisor != 1.0f) {  // this owner's entries, divided now: (0 + v) / d as elsewhere
+    const std::vector<Piece>& pieces = own.pieces[r];
+    size_t at = 0;
+    visitSparse(*reduced.header(), reduced.payload(), mine, opts.valueType, [&](size_t i, float) {
+      while (pieces[at].local + pieces[at].length <= i) ++at;
+      float& o = out[pieces[at].global + (i - pieces[at].local)];
+      o = o / opts.divisor;
+    });
+  }
 
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;
@@ -261,7 +272,7 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;
     comm.wait(recvs[owner]);
-    place(owner, headers[owner], payloads[owner].data());
+    place(owner, headers[owner], payloads[owner].data(), opts.divisor);
   }
   comm.waitAll(sends);
   return result;

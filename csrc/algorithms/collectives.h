@@ -128,6 +128,7 @@ size_t quantizedAllreduceBytes(size_t count, const std::vector<size_t>& segments
 struct SparseAllreduceOptions {
   DataType valueType = DataType::kFloat32;  // values on the wire: float32, float16 or bfloat16
   double keepDensity = 0.0;  // owners keep ceil(keepDensity * chunk) entries; 0 keeps every nonzero
+  float divisor = 1.0f;      // out holds the sums divided by it (an average: the world size)
 };
 struct SparseAllreduceResult {
   size_t bytesSent = 0;    // payload bytes this rank sent (headers included)
@@ -136,7 +137,9 @@ struct SparseAllreduceResult {
 // Sparse all-reduce: out (count float32) <- the sum over ranks of the pairs
 // (indices strictly ascending in [0, count), values), reduced by the owners of each
 // segment's chunks, who keep their largest entries (opts.keepDensity); bit-identical on
-// every rank. segments as in allreduceQuantized. residual
+// every rank; divided by opts.divisor as they are placed (the same float division as
+// dividing out afterwards, without another pass over it). segments as in
+// allreduceQuantized. residual
 // (count float32, or nullptr): += wire rounding of this rank's values and, on owners,
 // what phase 2 dropped. Format and protocol in allreduce_sparse.cc.
 SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const float* values,

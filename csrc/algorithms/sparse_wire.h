@@ -104,9 +104,12 @@ const char* visitSparse(const SparseHeader& h, const uint8_t* payload, size_t ch
 // so the cache and TLB misses of a batch overlap. One at a time, each waited for its
 // miss: on a 64 MiB bucket at 1% these scattered additions were most of the sparse
 // all-reduce's time. The sums are the same, bit for bit (same additions, same order).
+// With a divisor d != 1, `*target = (*target + v) / d` (the division one pass over the
+// targets afterwards would do).
 class ScatterAdd {
  public:
   static constexpr int kBatch = 32;
+  explicit ScatterAdd(float divisor = 1.0f) : divisor_(divisor) {}
   void add(float* target, float v) {
     __builtin_prefetch(target, 1);
     targets_[n_] = target;
@@ -114,11 +117,16 @@ class ScatterAdd {
     if (++n_ == kBatch) flush();
   }
   void flush() {
-    for (int i = 0; i < n_; ++i) *targets_[i] += values_[i];
+    if (divisor_ == 1.0f) {
+      for (int i = 0; i < n_; ++i) *targets_[i] += values_[i];
+    } else {
+      for (int i = 0; i < n_; ++i) *targets_[i] = (*targets_[i] + values_[i]) / divisor_;
+    }
     n_ = 0;
   }
 
  private:
+  const float divisor_;
   float* targets_[kBatch];
   float values_[kBatch];
   int n_ = 0;

@@ -111,15 +111,17 @@ PYBIND11_MODULE(_C, m) {
           "allreduce_sparse",
           [](ProcessGroupPycomm& pg, at::Tensor indices, at::Tensor values, at::Tensor out,
              std::optional<at::Tensor> residual, const std::string& valueDtype, double keepDensity,
-             std::vector<int64_t> segments, bool asyncOp) {
+             std::vector<int64_t> segments, double divisor, bool asyncOp) {
             return pg.allreduceSparseTensor(indices, values, out, residual.value_or(at::Tensor()),
-                                            segments, valueDtype, keepDensity, asyncOp);
+                                            segments, valueDtype, keepDensity, divisor, asyncOp);
           },
           py::arg("indices"), py::arg("values"), py::arg("out"), py::arg("residual") = py::none(),
           py::arg("value_dtype") = "float32", py::arg("keep_density") = 0.0,
-          py::arg("segments") = std::vector<int64_t>{}, py::arg("async_op") = true, py::call_guard<py::gil_scoped_release>(),
+          py::arg("segments") = std::vector<int64_t>{}, py::arg("divisor") = 1.0, py::arg("async_op") = true,
+          py::call_guard<py::gil_scoped_release>(),
           "sparse all-reduce (SUM) of (ascending int64 indices, float32 values) into the dense "
-          "float32 `out`; returns a Work");
+          "float32 `out`, divided by `divisor` (1: the sums; the world size: the average); "
+          "returns a Work");
 
   m.def("_stats", [] {
     auto& stats = pycomm::Stats::instance();

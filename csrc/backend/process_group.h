@@ -137,12 +137,13 @@ class ProcessGroupPycomm : public c10d::Backend {
                                                           int64_t block, bool stochastic,
                                                           int64_t seed, bool asyncOp);
   // Sparse all-reduce: out (count float32) <- sum over ranks of (indices int64
-  // ascending, values float32). valueType "float32" | "float16" | "bfloat16".
+  // ascending, values float32), divided by `divisor`. valueType "float32" | "float16" |
+  // "bfloat16".
   c10::intrusive_ptr<c10d::Work> allreduceSparseTensor(at::Tensor indices, at::Tensor values,
                                                        at::Tensor out, at::Tensor residual,
                                                        std::vector<int64_t> segments,
                                                        const std::string& valueType,
-                                                       double keepDensity, bool asyncOp);
+                                                       double keepDensity, double divisor, bool asyncOp);
 
  private:
   // dist.all_reduce of a sparse COO tensor (process_group_sparse.cc): the tensor

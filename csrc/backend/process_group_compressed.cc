@@ -86,7 +86,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
     at::Tensor indices, at::Tensor values, at::Tensor out, at::Tensor residual,
-    std::vector<int64_t> segments, const std::string& valueType, double keepDensity, bool asyncOp) {
+    std::vector<int64_t> segments, const std::string& valueType, double keepDensity, double divisor,
+    bool asyncOp) {
   const char* op = "allreduce_sparse";
   checkNamed(op, "values", values, at::kFloat);
   checkNamed(op, "out", out, at::kFloat);
@@ -107,6 +108,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
   if (!(keepDensity >= 0.0 && keepDensity <= 1.0))
     usageError(where(op) + "keep_density must be in [0, 1] (got " + std::to_string(keepDensity) + ")");
   opts.keepDensity = keepDensity;
+  if (!(divisor > 0.0 && divisor <= 3.0e38))
+    usageError(where(op) + "divisor must be positive and finite (got " + std::to_string(divisor) + ")");
+  opts.divisor = static_cast<float>(divisor);
   std::vector<size_t> lengths = checkSegments(op, segments, out.numel());
   try {
     checkSparseInput(op, indices.data_ptr<int64_t>(), static_cast<size_t>(indices.numel()),
