@@ -995,14 +995,11 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     # collective divides as it places the sums), which spares a bucket-sized allocation
     # per call, whose fresh pages were faulted in every call (16 MiB at 2 ranks: ~10 of a
     # 22 ms call), and the pass that divided it.
-    if buffer.dtype == torch.float32 and buffer.is_contiguous():
-        fut = _sparse_and_dense(backend, state, indices, values, buffer, residual, value_dtype, lengths, dense,
-                                step, group, divisor=world)
-        return fut.then(_returned(buffer))
-    out = torch.empty(numel, dtype=torch.float32)
+    in_place = buffer.dtype == torch.float32 and buffer.is_contiguous()
+    out = buffer if in_place else torch.empty(numel, dtype=torch.float32)
     fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step,
-                            group)
-    return fut.then(_averaged_into(buffer, world))
+                            group, divisor=world if in_place else 1)
+    return fut.then(_returned(buffer) if in_place else _averaged_into(buffer, world))
 
 
 def _host_key() -> str:

@@ -221,14 +221,18 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
   // ascending owned-space order, so one walk over c's pieces maps them. Zeroing `out`
   // first is the only pass over the whole buffer.
   std::fill(out, out + count, 0.0f);
-  auto place = [&](int c, const SparseHeader& h, const uint8_t* payload, float divisor) {
+  // fn(&out[the entry's global position], value) for each entry of owner c's message.
+  auto visitPlaced = [&](int c, const SparseHeader& h, const uint8_t* payload, auto&& fn) {
     const std::vector<Piece>& pieces = own.pieces[c];
     size_t at = 0;
-    ScatterAdd adds(divisor);
-    const char* problem = visitSparse(h, payload, own.owned[c], opts.valueType, [&](size_t i, float v) {
+    return visitSparse(h, payload, own.owned[c], opts.valueType, [&](size_t i, float v) {
       while (pieces[at].local + pieces[at].length <= i) ++at;
-      adds.add(out + pieces[at].global + (i - pieces[at].local), v);
+      fn(out + pieces[at].global + (i - pieces[at].local), v);
     });
+  };
+  auto place = [&](int c, const SparseHeader& h, const uint8_t* payload, float divisor) {
+    ScatterAdd adds(divisor);
+    const char* problem = visitPlaced(c, h, payload, [&adds](float* target, float v) { adds.add(target, v); });
     adds.flush();
     checkDecoded(comm, c, problem);
   };
@@ -244,15 +248,8 @@ SparseAllreduceResult allreduceSparse(Comm& comm, const int64_t* indices, const 
       const auto [global, local] = nonzero[j];
       residual[global] += sum[local] - out[global];
     }
-  if (opts.divisor != 1.0f) {  // this owner's entries, divided now: (0 + v) / d as elsewhere
-    const std::vector<Piece>& pieces = own.pieces[r];
-    size_t at = 0;
-    visitSparse(*reduced.header(), reduced.payload(), mine, opts.valueType, [&](size_t i, float) {
-      while (pieces[at].local + pieces[at].length <= i) ++at;
-      float& o = out[pieces[at].global + (i - pieces[at].local)];
-      o = o / opts.divisor;
-    });
-  }
+  if (opts.divisor != 1.0f)  // this owner's entries, divided now: (0 + v) / d as elsewhere
+    visitPlaced(r, *reduced.header(), reduced.payload(), [&](float* target, float) { *target /= opts.divisor; });
 
   for (int k = 1; k < n; ++k) {
     const int owner = (r + k) % n;

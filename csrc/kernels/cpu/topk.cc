@@ -225,6 +225,26 @@ constexpr size_t kExactSampledMinCount = 8192;
 
 void collectZeros(const float* x, size_t n, size_t quota, std::vector<int64_t>& out);
 
+// The hits and the zeros at `zeros` (both in index order) merged in index order into
+// indices/values; returns how many were written.
+size_t mergeWithZeros(const Hits& hits, const std::vector<int64_t>& zeros, const float* data, int64_t* indices,
+                      float* values) {
+  size_t out = 0, a = 0, z = 0;
+  while (a < hits.size() || z < zeros.size()) {
+    if (z == zeros.size() || (a < hits.size() && hits.index[a] < zeros[z])) {
+      indices[out] = hits.index[a];
+      values[out] = hits.value[a];
+      ++a;
+    } else {
+      indices[out] = zeros[z];
+      values[out] = data[zeros[z]];
+      ++z;
+    }
+    ++out;
+  }
+  return out;
+}
+
 // The exact selection when the k-th largest key is in the lowest histogram bin, with the
 // zeros: fewer than about k nonzero elements (an embedding's dense gradient, a frozen
 // block). Collecting that bin would hand selectFromHits every zero (16 MiB of zeros:
@@ -239,14 +259,8 @@ void exactAmongZeros(const float* x, size_t n, size_t k, int64_t* indices, float
     return;
   }
   std::vector<int64_t> zeros;
-  collectZeros(x, n, k - hits.size(), zeros);
-  size_t a = 0, b = 0;
-  for (size_t out = 0; out < k; ++out) {
-    const bool fromHits = b == zeros.size() || (a < hits.size() && hits.index[a] < zeros[b]);
-    const int64_t i = fromHits ? hits.index[a++] : zeros[b++];
-    indices[out] = i;
-    values[out] = x[i];
-  }
+  collectZeros(x, n, k - hits.size(), zeros);  // n - nonzero >= k - nonzero zeros exist
+  mergeWithZeros(hits, zeros, x, indices, values);
 }
 
 // The exact selection over x[0, n). With g != nullptr, x is e, and e <- g + e first
@@ -407,20 +421,7 @@ size_t approxImpl(const float* x, float* e, size_t n, size_t k, uint64_t seed, i
     collectZeros(data, n, quota, zeros);
     if (above + zeros.size() >= lo) {
       stats.path = TopkPath::kTieFill;
-      size_t out = 0, a = 0, z = 0;  // merge the two index-ordered lists
-      while (a < hits.size() || z < zeros.size()) {
-        if (z == zeros.size() || (a < hits.size() && hits.index[a] < zeros[z])) {
-          indices[out] = hits.index[a];
-          values[out] = hits.value[a];
-          ++a;
-        } else {
-          indices[out] = zeros[z];
-          values[out] = data[zeros[z]];
-          ++z;
-        }
-        ++out;
-      }
-      return out;
+      return mergeWithZeros(hits, zeros, data, indices, values);
     }
   }
   stats.path = TopkPath::kFallback;
