@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 import time
 import traceback
 import warnings
@@ -1176,3 +1177,51 @@ def test_blocking_calls_leave_the_worker_asleep():
         assert out["woken"] < 20, (f"rank {rank}: another thread woke {out['woken']} times in 200 "
                                    "blocking calls (70 before the fix)")
         assert out["result"] == 2 ** 4, out
+
+
+def p2p_future_callback_worker(ctx):
+    out = {}
+    if ctx.rank == 0:
+        first, second = torch.zeros(1000), torch.zeros(1000)
+
+        def receive_the_second(fut):
+            with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+                out["callback_thread"] = f.read().strip()
+            dist.recv(second, src=1, tag=2)  # blocks in the callback
+            return fut.value()
+        work = dist.irecv(first, src=1, tag=1)
+        chained = work.get_future().then(receive_the_second)
+        dist.barrier(group=ctx.ref)  # rank 1 sends once the callback is attached
+        t0 = time.monotonic()
+        chained.wait()
+        out["seconds"] = time.monotonic() - t0
+        out["first"], out["second"] = first[0].item(), second[-1].item()
+        # wait() covers the future too: its value is there the moment wait() returns.
+        for i in range(50):
+            t = torch.zeros(3)
+            w = dist.irecv(t, src=1, tag=10 + i)
+            w.wait()
+            out.setdefault("values", []).append(w.get_future().value()[0][0].item())
+    else:
+        dist.barrier(group=ctx.ref)
+        dist.send(torch.full((1000,), 1.0), dst=0, tag=1)
+        time.sleep(0.2)
+        dist.send(torch.full((1000,), 2.0), dst=0, tag=2)
+        for i in range(50):
+            dist.send(torch.full((3,), float(i)), dst=0, tag=10 + i)
+    dist.barrier()
+    return out
+
+
+def test_p2p_future_callback_may_wait_on_another_receive():
+    """A callback on an irecv's Future that itself waits on a receive: point-to-point
+    requests complete on the TCP I/O thread, which used to run the Future's callbacks
+    too, so the inner receive waited for the thread it was blocking and timed out (10 s
+    here, the group timeout). Callbacks now run on the group's completion pool."""
+    rets = spawn_run(p2p_future_callback_worker, 2, backend=BACKEND,
+                     env={"PYCOMM_TRANSPORT": "tcp"}, timeout_s=120, pg_timeout_s=10).check().returns
+    out = rets[0]
+    assert out["first"] == 1.0 and out["second"] == 2.0, out
+    assert out["seconds"] < 5, out
+    assert out["callback_thread"] == "pycomm-done", out
+    assert out["values"] == [float(i) for i in range(50)], out

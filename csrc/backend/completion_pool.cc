@@ -4,14 +4,16 @@
 
 namespace pycomm {
 
-void CompletionPool::post(std::function<void()> completion) {
+void CompletionPool::post(std::function<void()> completion) { postTo(state_, std::move(completion)); }
+
+void CompletionPool::postTo(const std::shared_ptr<State>& state, std::function<void()> completion) {
   {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    State& s = *state_;
+    std::lock_guard<std::mutex> lock(state->mutex);
+    State& s = *state;
     if (!s.stopping) {
       s.queue.push_back(std::move(completion));
       // Each queued completion needs a thread that is not inside a callback.
-      if (s.queue.size() > s.idle && s.threads.size() < kMaxThreads) s.threads.emplace_back(loop, state_);
+      if (s.queue.size() > s.idle && s.threads.size() < kMaxThreads) s.threads.emplace_back(loop, state);
       else s.cv.notify_one();
       return;
     }

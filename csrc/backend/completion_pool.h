@@ -7,6 +7,12 @@
 // while every thread of the pool is inside an earlier callback (a nested wait, or
 // just a slow callback) starts another thread, as gloo's several worker threads
 // would run it; at most kMaxThreads, past which completions queue.
+//
+// Point-to-point works complete on a transport I/O thread and post their futures
+// here through a Poster, which shares the queue but not the pool: the last
+// reference to a work (and so perhaps to the group and its transport) is never
+// dropped on the I/O thread, and a callback that waits on a receive never blocks
+// the thread that would complete it.
 #pragma once
 
 #include <condition_variable>
@@ -34,6 +40,23 @@ class CompletionPool {
   void stop();
 
  private:
+  struct State;
+
+ public:
+  // Posts to this pool without owning it: once the pool has stopped (or is gone),
+  // post() runs the completion on the caller's thread, as the pool's own does.
+  class Poster {
+   public:
+    void post(std::function<void()> completion) const { CompletionPool::postTo(state_, std::move(completion)); }
+
+   private:
+    friend class CompletionPool;
+    explicit Poster(std::shared_ptr<State> state) : state_(std::move(state)) {}
+    std::shared_ptr<State> state_;
+  };
+  Poster poster() const { return Poster(state_); }
+
+ private:
   // Shared with the threads, so a thread that outlives the pool (stop() called
   // from inside one of its completions) still has it.
   struct State {
@@ -45,6 +68,7 @@ class CompletionPool {
     std::vector<std::thread> threads;
   };
   static void loop(std::shared_ptr<State> state);
+  static void postTo(const std::shared_ptr<State>& state, std::function<void()> completion);
 
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };

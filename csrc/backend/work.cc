@@ -92,19 +92,25 @@ PointToPointWork::PointToPointWork(int rank, c10d::OpType opType, const char* op
       groupTimeout_(timeout),
       peer_(peer) {}
 
-void PointToPointWork::attach(const RequestPtr& request) {
+void PointToPointWork::attach(const RequestPtr& request, CompletionPool::Poster completions) {
   request_ = request;
   c10::intrusive_ptr<PointToPointWork> self =
       c10::intrusive_ptr<PointToPointWork>::reclaim_copy(this);
   const std::string op = opName_;
-  request->onComplete([self, request, op]() {
+  request->onComplete([self, request, op, completions]() mutable {
+    std::exception_ptr error;
     if (request->failed()) {
       // Transport errors come without an op prefix (a group's abort passes on
       // Error::detail()): this op names itself.
-      self->markDone(makeBackendError("pycomm " + op + ": " + request->error()));
+      error = makeBackendError("pycomm " + op + ": " + request->error());
     } else {
-      self->markDone(nullptr, request->sourceRank());
+      self->sourceRank_ = request->sourceRank();
     }
+    self->finishWork(error);  // wait() may return now
+    // The future's callbacks are user code (a `then` chain may wait on another
+    // receive, which only this thread can complete). The work moves into the
+    // posted completion, so this thread never drops its last reference.
+    completions.post([work = std::move(self), error] { work->completeFuture(error); });
   });
 }
 
@@ -127,7 +133,9 @@ bool PointToPointWork::wait(std::chrono::milliseconds timeout) {
                                         " timed out after ", seconds, " s waiting for ", who);
     group_->fail(c10::str("pycomm ", opName_, ": ", detail), detail);
   }
-  return c10d::Work::wait(kNoTimeout);
+  const bool done = c10d::Work::wait(kNoTimeout);  // throws the work's error
+  future_->wait();  // completed by the group's CompletionPool, right after
+  return done;
 }
 
 }  // namespace pycomm

@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/completion_pool.h"
 #include "transport/shm_arena.h"
 #include "transport/transport.h"
 
@@ -82,11 +83,13 @@ class PycommWork : public c10d::Work {
 // A send or receive posted straight to the transport (not through the ordered
 // queue, so isend/irecv pairs cannot deadlock). wait() is bounded by the group
 // timeout: on expiry the group fails and the receive buffer is released.
+// The request completes the work where it completes (usually a TCP I/O thread);
+// the future, and so its callbacks, complete on the group's CompletionPool.
 class PointToPointWork : public PycommWork {
  public:
   PointToPointWork(int rank, c10d::OpType opType, const char* opName, std::vector<at::Tensor> tensors,
                    std::shared_ptr<GroupState> group, std::chrono::milliseconds timeout, int peer);
-  void attach(const RequestPtr& request);
+  void attach(const RequestPtr& request, CompletionPool::Poster completions);
   bool wait(std::chrono::milliseconds timeout) override;
 
  private:
