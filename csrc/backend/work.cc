@@ -110,7 +110,7 @@ void PointToPointWork::attach(const RequestPtr& request, CompletionPool::Poster 
     // The future's callbacks are user code (a `then` chain may wait on another
     // receive, which only this thread can complete). The work moves into the
     // posted completion, so this thread never drops its last reference.
-    completions.post([work = std::move(self), error] { work->completeFuture(error); });
+    completions.post([work = std::move(self), error] { work->completeFutureOnce(error); });
   });
 }
 
@@ -134,7 +134,11 @@ bool PointToPointWork::wait(std::chrono::milliseconds timeout) {
     group_->fail(c10::str("pycomm ", opName_, ": ", detail), detail);
   }
   const bool done = c10d::Work::wait(kNoTimeout);  // throws the work's error
-  future_->wait();  // completed by the group's CompletionPool, right after
+  // Done: complete the future here unless the pool already has, so its value is
+  // readable on return without waiting for a pool thread to be scheduled (callbacks
+  // attached by now run on this thread, which may wait on anything).
+  completeFutureOnce(nullptr);
+  future_->wait();  // the pool may be completing it right now
   return done;
 }
 

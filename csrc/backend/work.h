@@ -84,7 +84,8 @@ class PycommWork : public c10d::Work {
 // queue, so isend/irecv pairs cannot deadlock). wait() is bounded by the group
 // timeout: on expiry the group fails and the receive buffer is released.
 // The request completes the work where it completes (usually a TCP I/O thread);
-// the future, and so its callbacks, complete on the group's CompletionPool.
+// the future, and so its callbacks, complete on the group's CompletionPool, or in
+// wait() if that comes first (a waiter need not wait for a pool thread).
 class PointToPointWork : public PycommWork {
  public:
   PointToPointWork(int rank, c10d::OpType opType, const char* opName, std::vector<at::Tensor> tensors,
@@ -93,6 +94,12 @@ class PointToPointWork : public PycommWork {
   bool wait(std::chrono::milliseconds timeout) override;
 
  private:
+  // Completes the future unless the pool or wait() already did.
+  void completeFutureOnce(std::exception_ptr error) {
+    if (!futureClaimed_.exchange(true, std::memory_order_acq_rel)) completeFuture(error);
+  }
+
+  std::atomic<bool> futureClaimed_{false};
   std::string opName_;
   std::shared_ptr<GroupState> group_;
   RequestPtr request_;
