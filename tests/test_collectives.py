@@ -1225,3 +1225,99 @@ def test_p2p_future_callback_may_wait_on_another_receive():
     assert out["seconds"] < 5, out
     assert out["callback_thread"] == "pycomm-done", out
     assert out["values"] == [float(i) for i in range(50)], out
+
+
+def p2p_sizes_worker(ctx):
+    out = {}
+    for name, group in (("pycomm", None), ("gloo", ctx.ref)):
+        res = out[name] = {}
+        if ctx.rank == 1:
+            dist.send(torch.ones(2), dst=0, group=group)                     # into a larger buffer
+            dist.send(torch.full((3,), 2.0), dst=0, group=group)             # into one of its size, from any rank
+            work = dist.isend(torch.ones(1), dst=0, group=group)
+            work.wait()
+            try:
+                work._source_rank()
+                res["send_source_rank"] = "no error"
+            except RuntimeError as exc:
+                res["send_source_rank"] = "may only be called" in str(exc)
+        else:
+            larger = torch.zeros(3)
+            res["src"] = dist.recv(larger, src=1, group=group)
+            res["larger"] = larger.tolist()
+            exact = torch.zeros(3)
+            res["any_src"] = dist.recv(exact, group=group)
+            res["exact"] = exact.tolist()
+            dist.recv(torch.zeros(1), src=1, group=group)
+        work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
+        work.wait()
+        try:
+            work._source_rank()
+            res["collective_source_rank"] = "no error"
+        except RuntimeError as exc:
+            res["collective_source_rank"] = "may only be called" in str(exc)
+    # A message larger than the receive fails it (gloo aborts the process there); the
+    # group stays usable, since the stream stays in step.
+    if ctx.rank == 1:
+        dist.send(torch.ones(4), dst=0)
+    else:
+        try:
+            dist.recv(torch.zeros(3), src=1)
+            out["smaller_buffer"] = "no error"
+        except dist.DistBackendError as exc:
+            out["smaller_buffer"] = str(exc)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = t.item()
+    return out
+
+
+def test_p2p_receives_into_a_larger_buffer_and_source_rank_as_gloo():
+    """As gloo (and MPI): a receive takes a message up to its buffer's size and leaves the
+    rest of the buffer as it was (pycomm failed it: "sent 8 bytes where 12 were
+    expected"); source_rank() exists only on a receive's work (pycomm returned the
+    destination of a send and -1 for a collective)."""
+    rets = spawn_run(p2p_sizes_worker, 2, backend=BACKEND, timeout_s=120, pg_timeout_s=20).check().returns
+    for rank, out in rets.items():
+        assert out["pycomm"] == out["gloo"], (rank, out)
+        assert out["after"] == 2.0, (rank, out)
+    r0 = rets[0]["pycomm"]
+    assert r0["src"] == 1 and r0["larger"] == [1.0, 1.0, 0.0], r0
+    assert r0["any_src"] == 1 and r0["exact"] == [2.0, 2.0, 2.0], r0
+    assert r0["collective_source_rank"] is True and rets[1]["pycomm"]["send_source_rank"] is True, rets
+    assert "rank 1 sent 16 bytes where at most 12 were expected" in rets[0]["smaller_buffer"], rets[0]
+
+
+def p2p_wait_timeout_worker(ctx):
+    import datetime
+    out = {}
+    if ctx.rank == 0:
+        got = torch.zeros(4)
+        work = dist.irecv(got, src=1, tag=3)
+        try:
+            work.wait(datetime.timedelta(seconds=0.3))
+            out["first_wait"] = "no error"
+        except dist.DistBackendError as exc:
+            out["first_wait"] = str(exc)
+        out["completed_after_timeout"] = work.is_completed()
+        dist.barrier(group=ctx.ref)  # now rank 1 sends
+        work.wait()
+        out["got"] = got.tolist()
+    else:
+        dist.barrier(group=ctx.ref)
+        dist.send(torch.full((4,), 5.0), dst=0, tag=3)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = t.item()
+    return out
+
+
+def test_p2p_wait_with_a_short_timeout_leaves_the_receive_posted():
+    """docs/failures.md: a wait(timeout) shorter than the group timeout raises and leaves
+    the receive posted (the group usable); a later wait() returns with the message."""
+    rets = spawn_run(p2p_wait_timeout_worker, 2, backend=BACKEND, timeout_s=120, pg_timeout_s=20).check().returns
+    r0 = rets[0]
+    assert "wait() timed out waiting for rank 1" in r0["first_wait"], r0
+    assert r0["completed_after_timeout"] is False, r0
+    assert r0["got"] == [5.0] * 4, r0
+    assert rets[0]["after"] == rets[1]["after"] == 2.0, rets

@@ -880,7 +880,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::pointToPoint(const char* op, 
     }
     Transport& transport = group_->transport();
     RequestPtr request = isSend ? transport.isend(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes())
-                                : transport.irecv(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes());
+                                : transport.irecv(peer, static_cast<uint64_t>(tag), t.data_ptr(), t.nbytes(), /*upTo=*/true);
     work->attach(request, completions_.poster());
     return work;
   });

@@ -72,7 +72,11 @@ class PycommWork : public c10d::Work {
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
-  int sourceRank() const override { return sourceRank_; }
+  // Only a receive has one; for any other work torch's own error, as gloo gives.
+  int sourceRank() const override {
+    if (opType_ != c10d::OpType::RECV && opType_ != c10d::OpType::RECVANYSOURCE) return c10d::Work::sourceRank();
+    return sourceRank_;
+  }
 
  protected:
   std::vector<at::Tensor> outputs_;

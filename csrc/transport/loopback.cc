@@ -9,8 +9,8 @@
 namespace pycomm {
 namespace {
 
-std::string sizeMismatch(const std::string& sender, size_t sent, size_t expected) {
-  return strCat(sender, " sent ", sent, " bytes where ", expected,
+std::string sizeMismatch(const std::string& sender, size_t sent, size_t expected, bool upTo) {
+  return strCat(sender, " sent ", sent, " bytes where ", upTo ? "at most " : "", expected,
                 " were expected (tensor sizes differ between ranks?)");
 }
 
@@ -35,8 +35,8 @@ RequestPtr LoopbackTransport::isend(int peer, uint64_t tag, const void* data, si
       auto& box = fabric_->box(rank_, peer);
       for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
         if (it->tag != tag) continue;
-        if (it->bytes != bytes) {
-          mismatch = sizeMismatch(rankName(rank_), bytes, it->bytes);
+        if (it->upTo ? bytes > it->bytes : bytes != it->bytes) {
+          mismatch = sizeMismatch(rankName(rank_), bytes, it->bytes, it->upTo);
         } else if (bytes > 0) {
           std::memcpy(it->data, data, bytes);
         }
@@ -63,12 +63,13 @@ RequestPtr LoopbackTransport::isend(int peer, uint64_t tag, const void* data, si
   return request;
 }
 
-RequestPtr LoopbackTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes) {
+RequestPtr LoopbackTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo) {
   PYCOMM_CHECK_INTERNAL(peer >= 0 && peer < size() && peer != rank_,
                         "loopback receives need a definite peer, got ", peer);
   auto request = std::make_shared<Request>(peer, bytes);
   std::string failure;
   bool done = false;
+  size_t delivered = 0;
   {
     std::lock_guard<std::mutex> lock(fabric_->mutex_);
     if (!fabric_->abortReason_.empty()) {
@@ -77,23 +78,24 @@ RequestPtr LoopbackTransport::irecv(int peer, uint64_t tag, void* data, size_t b
       auto& box = fabric_->box(peer, rank_);
       for (auto it = box.queued.begin(); it != box.queued.end(); ++it) {
         if (it->tag != tag) continue;
-        if (it->data.size() != bytes) {
-          failure = sizeMismatch(rankName(peer), it->data.size(), bytes);
-        } else if (bytes > 0) {
-          std::memcpy(data, it->data.data(), bytes);
+        delivered = it->data.size();
+        if (upTo ? delivered > bytes : delivered != bytes) {
+          failure = sizeMismatch(rankName(peer), delivered, bytes, upTo);
+        } else if (delivered > 0) {
+          std::memcpy(data, it->data.data(), delivered);
         }
         box.queued.erase(it);
         done = true;
         break;
       }
-      if (!done) box.posted.push_back({tag, static_cast<char*>(data), bytes, request});
+      if (!done) box.posted.push_back({tag, static_cast<char*>(data), bytes, request, upTo});
     }
   }
   if (!failure.empty()) {
     request->fail(failure);
   } else if (done) {
-    received_ += bytes;
-    Stats::instance().addReceived(bytes);
+    received_ += delivered;
+    Stats::instance().addReceived(delivered);
     request->complete();
   }
   return request;

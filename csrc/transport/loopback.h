@@ -29,6 +29,7 @@ class LoopbackFabric {
     char* data;
     size_t bytes;
     RequestPtr request;
+    bool upTo;  // a message of at most `bytes` fits
   };
   struct Mailbox {  // one per (source, destination) pair
     std::deque<Message> queued;
@@ -50,7 +51,7 @@ class LoopbackTransport : public Transport {
   int size() const override { return fabric_->size(); }
   const char* name() const override { return "loopback"; }
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override;
-  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override;
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo = false) override;
   // Aborts the whole fabric: every rank's pending requests fail.
   void abort(const std::string& reason) override;
   uint64_t bytesSent() const override { return sent_; }

@@ -26,8 +26,8 @@ class SubTransport : public Transport {
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override {
     return wrap(parent_.isend(parentRank(peer), tag | kTagBit, data, bytes), peer, bytes);
   }
-  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    return wrap(parent_.irecv(peer == kAnySource ? kAnySource : parentRank(peer), tag | kTagBit, data, bytes),
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo = false) override {
+    return wrap(parent_.irecv(peer == kAnySource ? kAnySource : parentRank(peer), tag | kTagBit, data, bytes, upTo),
                 peer, bytes);
   }
   void abort(const std::string& reason) override { parent_.abort(reason); }

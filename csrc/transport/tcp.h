@@ -71,7 +71,7 @@ class TcpTransport : public Transport {
   int size() const override { return size_; }
   const char* name() const override { return "tcp"; }
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override;
-  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override;
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo = false) override;
   void abort(const std::string& reason) override;
   std::string describePending(int peer) override;
   uint64_t bytesSent() const override { return bytesSent_; }
@@ -83,6 +83,8 @@ class TcpTransport : public Transport {
     char* data = nullptr;
     size_t bytes = 0;
     RequestPtr request;
+    bool upTo = false;  // a message of at most `bytes` fits (irecv's upTo)
+    bool fits(size_t sent) const { return upTo ? sent <= bytes : sent == bytes; }
   };
   // A message that arrived before its receive was posted.
   struct Unexpected {

@@ -14,6 +14,16 @@
 #include "common/stats.h"
 
 namespace pycomm {
+namespace {
+
+// Why a receive of `expected` bytes (at most that many with `upTo`) cannot take a
+// message of `sent`.
+std::string sizeMismatch(const std::string& sender, size_t sent, size_t expected, bool upTo) {
+  return strCat(sender, " sent ", sent, " bytes where ", upTo ? "at most " : "", expected,
+                " were expected (tensor sizes differ between ranks?)");
+}
+
+}  // namespace
 RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t bytes) {
   PYCOMM_CHECK_INTERNAL(peer >= 0 && peer < size_ && peer != rank_, "bad peer ", peer);
   auto request = std::make_shared<Request>(peer, bytes);
@@ -66,7 +76,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
   return request;
 }
 
-RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes) {
+RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo) {
   PYCOMM_CHECK_INTERNAL(peer == kAnySource || (peer >= 0 && peer < size_ && peer != rank_),
                         "bad peer ", peer);
   auto request = std::make_shared<Request>(peer, bytes);
@@ -79,6 +89,8 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
   };
   Found found = Found::kNothing;
   int deliveredFrom = -1;  // the sender, when kDelivered
+  size_t delivered = 0;    // and its bytes
+  const PostedRecv posted{tag, static_cast<char*>(data), bytes, request, upTo};
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!abortReason_.empty()) {
@@ -91,9 +103,8 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
         for (auto it = queue.begin(); it != queue.end(); ++it) {
           Unexpected& u = **it;
           if (u.tag != tag || u.claim != Unexpected::Claim::kNone) continue;
-          if (u.data.size() != bytes) {
-            failure = strCat(rankName(source), " sent ", u.data.size(), " bytes where ", bytes,
-                             " were expected (tensor sizes differ between ranks?)");
+          if (!posted.fits(u.data.size())) {
+            failure = sizeMismatch(rankName(source), u.data.size(), posted.bytes, posted.upTo);
             if (u.complete) {
               unexpectedBytes_ -= u.data.size();
               queue.erase(it);
@@ -101,14 +112,15 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
               u.claim = Unexpected::Claim::kDropped;
             }
           } else if (u.complete) {
-            if (bytes > 0) std::memcpy(data, u.data.data(), bytes);
+            delivered = u.data.size();
+            if (delivered > 0) std::memcpy(data, u.data.data(), delivered);
             unexpectedBytes_ -= u.data.size();
             queue.erase(it);
             found = Found::kDelivered;
             deliveredFrom = source;
           } else {
             u.claim = Unexpected::Claim::kWaiting;
-            u.waiter = {tag, static_cast<char*>(data), bytes, request};
+            u.waiter = posted;
             found = Found::kClaimed;
           }
           break;
@@ -116,11 +128,11 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
       }
       if (found == Found::kNothing && failure.empty()) {
         if (peer == kAnySource) {
-          anyPosted_.push_back({tag, static_cast<char*>(data), bytes, request});
+          anyPosted_.push_back(posted);
         } else if (!peers_[peer]->failure.empty()) {
           failure = peers_[peer]->failure;
         } else {
-          peers_[peer]->posted.push_back({tag, static_cast<char*>(data), bytes, request});
+          peers_[peer]->posted.push_back(posted);
         }
       }
     }
@@ -128,8 +140,8 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes)
   if (!failure.empty()) {
     request->fail(failure);
   } else if (found == Found::kDelivered) {
-    bytesReceived_ += bytes;
-    Stats::instance().addReceived(bytes);
+    bytesReceived_ += delivered;
+    Stats::instance().addReceived(delivered);
     request->complete(deliveredFrom);
   }
   // A parked stream may be waiting for this receive, or for the budget it freed.
@@ -185,10 +197,9 @@ bool TcpTransport::matchIncoming(int peer) {
     auto take = [&](std::deque<PostedRecv>& list) {
       for (auto it = list.begin(); it != list.end(); ++it) {
         if (it->tag != s0.header.tag) continue;
-        if (it->bytes != bytes) {
+        if (!it->fits(bytes)) {
           mismatched = it->request;
-          mismatch = strCat(rankName(peer), " sent ", bytes, " bytes where ", it->bytes,
-                            " were expected (tensor sizes differ between ranks?)");
+          mismatch = sizeMismatch(rankName(peer), bytes, it->bytes, it->upTo);
           message->discarding = true;
         } else {
           message->request = it->request;

@@ -90,8 +90,11 @@ class Transport {
   // Posts a send of `bytes` bytes at `data` to `peer` (peer != rank()). The
   // buffer must stay valid until the request completes.
   virtual RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) = 0;
-  // Posts a receive of exactly `bytes` bytes from `peer` (or kAnySource).
-  virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) = 0;
+  // Posts a receive of exactly `bytes` bytes from `peer` (or kAnySource); with
+  // `upTo`, of a message of at most `bytes` bytes (point-to-point, as gloo and MPI
+  // receive into a larger buffer; the bytes past the message are left as they were).
+  // A message of another size fails the receive (and, on the sender's side, nothing).
+  virtual RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo = false) = 0;
 
   // Fails every pending request with `reason`, stops touching user buffers
   // before returning, and makes every later post fail. Idempotent.

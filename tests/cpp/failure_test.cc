@@ -45,8 +45,8 @@ class RecordingTransport : public Transport {
   RequestPtr isend(int peer, uint64_t tag, const void* data, size_t bytes) override {
     return keep(inner_.isend(peer, tag, data, bytes));
   }
-  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    return keep(inner_.irecv(peer, tag, data, bytes));
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo = false) override {
+    return keep(inner_.irecv(peer, tag, data, bytes, upTo));
   }
   void abort(const std::string& reason) override { inner_.abort(reason); }
   std::string describePending(int peer) override { return inner_.describePending(peer); }

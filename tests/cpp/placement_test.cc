@@ -65,8 +65,8 @@ class HeldSends : public Transport {
     held_.emplace_back(sent, held);
     return held;
   }
-  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes) override {
-    return inner_.irecv(peer, tag, data, bytes);
+  RequestPtr irecv(int peer, uint64_t tag, void* data, size_t bytes, bool upTo = false) override {
+    return inner_.irecv(peer, tag, data, bytes, upTo);
   }
   void abort(const std::string& reason) override { inner_.abort(reason); }
   std::string describePending(int peer) override { return inner_.describePending(peer); }

@@ -1,6 +1,7 @@
 // Torch-free tests of the TCP transport, several ranks as threads of one
 // process. Built and run by tests/test_transport_cpp.py; prints one line per
 // check and exits non-zero on the first failure.
+#include <algorithm>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -483,6 +484,44 @@ void abortNoticeNamesTheFirstFailure() {
   expect(later->completed() && later->failed(), "later sends to the aborted rank fail at once: " + later->error());
 }
 
+// irecv(..., upTo): a message of at most the buffer's size is received into its
+// start, posted before the message or after it arrived, striped or not; a larger one
+// fails like any size mismatch and the stream stays in step.
+void receivesUpToTheBufferSize() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  for (size_t sent : {size_t(0), size_t(12), size_t(3) << 20}) {
+    for (bool postedFirst : {true, false}) {
+      std::vector<char> message(sent, 7), buffer(sent + 4096, 1);
+      RequestPtr recv, send;
+      if (postedFirst) recv = transports[0]->irecv(1, 5, buffer.data(), buffer.size(), /*upTo=*/true);
+      send = transports[1]->isend(0, 5, message.data(), message.size());
+      if (!postedFirst) {
+        expect(waitOk(send), "the send completes");
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));  // arrived: unexpected
+        recv = transports[0]->irecv(1, 5, buffer.data(), buffer.size(), /*upTo=*/true);
+      }
+      const bool ok = waitOk(recv) && waitOk(send);
+      const bool head = std::all_of(buffer.begin(), buffer.begin() + sent, [](char c) { return c == 7; });
+      const bool tail = std::all_of(buffer.begin() + sent, buffer.end(), [](char c) { return c == 1; });
+      expect(ok && head && tail && recv->sourceRank() == 1,
+             "a " + std::to_string(sent) + "-byte message into a larger buffer (" +
+                 (postedFirst ? "posted first" : "unexpected") + ")" + (ok ? "" : ": " + recv->error()));
+    }
+  }
+  std::vector<char> big(800), small(400);
+  auto recv = transports[0]->irecv(1, 6, small.data(), small.size(), /*upTo=*/true);
+  transports[1]->isend(0, 6, big.data(), big.size());
+  recv->waitUntil(Clock::now() + std::chrono::seconds(10));
+  expect(recv->failed() && recv->error().find("rank 1 sent 800 bytes where at most 400 were expected") !=
+                               std::string::npos,
+         "a larger message fails an upTo receive: " + recv->error());
+  int value = 9, received = 0;
+  auto next = transports[0]->irecv(1, 7, &received, sizeof(received));
+  transports[1]->isend(0, 7, &value, sizeof(value));
+  expect(waitOk(next) && received == 9, "the connection survives it");
+}
+
 void sizeMismatchIsReported() {
   MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
@@ -816,6 +855,7 @@ int main() {
   secretsOutsideTheStore();
   abortNoticeNamesTheFirstFailure();
   sizeMismatchIsReported();
+  receivesUpToTheBufferSize();
   emptyMessagesIntoNullBuffers();
   pendingCreditIsNamed();
   receivesPostedWhileTheMessageArrives();
