@@ -107,11 +107,26 @@ void PointToPointWork::attach(const RequestPtr& request, CompletionPool::Poster 
       self->sourceRank_ = request->sourceRank();
     }
     self->finishWork(error);  // wait() may return now
-    // The future's callbacks are user code (a `then` chain may wait on another
-    // receive, which only this thread can complete). The work moves into the
-    // posted completion, so this thread never drops its last reference.
+    {
+      // Nobody has the future: nothing is attached to it, so completing it here runs
+      // no user code (getFuture() waits for this).
+      std::lock_guard<std::mutex> lock(self->futureMutex_);
+      if (!self->futureHandedOut_) {
+        self->completeFutureOnce(error);
+        return;
+      }
+    }
+    // Its callbacks are user code: a `then` chain may wait on another receive, which
+    // only this thread can complete, or destroy the group. The work moves into the
+    // posted completion, so this thread never drops the last reference to it.
     completions.post([work = std::move(self), error] { work->completeFutureOnce(error); });
   });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> PointToPointWork::getFuture() {
+  std::lock_guard<std::mutex> lock(futureMutex_);
+  futureHandedOut_ = true;
+  return future_;
 }
 
 bool PointToPointWork::wait(std::chrono::milliseconds timeout) {

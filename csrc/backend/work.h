@@ -87,15 +87,18 @@ class PycommWork : public c10d::Work {
 // A send or receive posted straight to the transport (not through the ordered
 // queue, so isend/irecv pairs cannot deadlock). wait() is bounded by the group
 // timeout: on expiry the group fails and the receive buffer is released.
-// The request completes the work where it completes (usually a TCP I/O thread);
-// the future, and so its callbacks, complete on the group's CompletionPool, or in
-// wait() if that comes first (a waiter need not wait for a pool thread).
+// The request completes the work where it completes (usually a TCP I/O thread).
+// So does the future, unless someone has asked for it (getFuture): then nothing can
+// be attached to it yet, and it costs no hand-off. Once handed out, it completes
+// on the group's CompletionPool (its callbacks are user code, which must not run
+// on the I/O thread), or in wait() if that comes first.
 class PointToPointWork : public PycommWork {
  public:
   PointToPointWork(int rank, c10d::OpType opType, const char* opName, std::vector<at::Tensor> tensors,
                    std::shared_ptr<GroupState> group, std::chrono::milliseconds timeout, int peer);
   void attach(const RequestPtr& request, CompletionPool::Poster completions);
   bool wait(std::chrono::milliseconds timeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
   // Completes the future unless the pool or wait() already did.
@@ -104,6 +107,8 @@ class PointToPointWork : public PycommWork {
   }
 
   std::atomic<bool> futureClaimed_{false};
+  std::mutex futureMutex_;       // orders getFuture() against completion on the I/O thread
+  bool futureHandedOut_ = false;  // under futureMutex_
   std::string opName_;
   std::shared_ptr<GroupState> group_;
   RequestPtr request_;
