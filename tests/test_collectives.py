@@ -1321,3 +1321,42 @@ def test_p2p_wait_with_a_short_timeout_leaves_the_receive_posted():
     assert r0["completed_after_timeout"] is False, r0
     assert r0["got"] == [5.0] * 4, r0
     assert rets[0]["after"] == rets[1]["after"] == 2.0, rets
+
+
+def different_calls_tcp_worker(ctx, case):
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]) * (ctx.rank + 1)
+    try:
+        if case == "dtype":  # the same bytes: float32 against int32
+            dist.all_reduce(x if ctx.rank == 0 else x.to(torch.int32))
+        elif case == "reduce_op":
+            dist.all_reduce(x, op=dist.ReduceOp.SUM if ctx.rank == 0 else dist.ReduceOp.MAX)
+        elif case == "collective":  # 16 bytes each: all_reduce against broadcast from rank 0
+            if ctx.rank == 0:
+                dist.broadcast(x, src=0)
+            else:
+                dist.all_reduce(x)
+        elif case == "widths":  # 4 float32 against 2 float64
+            dist.all_reduce(x if ctx.rank == 0 else x[:2].to(torch.float64))
+    except dist.DistBackendError as exc:
+        return str(exc)
+    # A broadcast's root only sends: it may return before a peer has found the
+    # mismatch, and learns of it at its next call.
+    try:
+        dist.all_reduce(torch.ones(1))
+        return "no error: " + str(x.tolist())
+    except dist.DistBackendError as exc:
+        return "next call: " + str(exc)
+
+
+@pytest.mark.parametrize("case", ["dtype", "reduce_op", "collective", "widths"])
+def test_calls_that_move_the_same_bytes_fail_over_tcp(case):
+    """Over TCP, ranks whose calls differ but move the same bytes (another dtype of the
+    same size, another reduce op, another collective) computed garbage without an error
+    (gloo does too for the first two); a collective's tags now carry a hash of its call,
+    and the receive that meets a message of another call fails, on every rank."""
+    rets = spawn_run(different_calls_tcp_worker, 2, backend=BACKEND, args=(case,), make_ref=False,
+                     env={"PYCOMM_TRANSPORT": "tcp"}, timeout_s=120, pg_timeout_s=20).check().returns
+    for rank, err in rets.items():
+        assert not err.startswith("no error"), (rank, err)
+        assert case == "collective" or not err.startswith("next call"), (rank, err)
+    assert any("is in another call at this collective" in err for err in rets.values()), rets

@@ -9,7 +9,7 @@ namespace pycomm {
 
 void Comm::begin(const std::string& op, const std::string& algorithm) {
   ++sequence_;
-  tag_ = kCollectiveTagBit | sequence_;
+  tag_ = kCollectiveTagBit | (sequence_ & 0xffffffffull);  // no call bits yet (setCall)
   op_ = op;
   algorithm_ = algorithm;
   start_ = Clock::now();

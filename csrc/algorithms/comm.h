@@ -18,8 +18,8 @@
 
 namespace pycomm {
 
-// Tags: collectives set the top bit (plus a per-group sequence number); user
-// point-to-point tags never do.
+// Tags: collectives set the top bit (plus a per-group sequence number, mod 2^32, and
+// a hash of the call: setCall); user point-to-point tags never do.
 constexpr uint64_t kCollectiveTagBit = 1ull << 63;
 // A collective's flow-control credits travel on its tag plus kCreditTagBit
 // (transport.h), so they never match its data, in whatever order the two cross.
@@ -41,6 +41,13 @@ class Comm {
   // As above with a per-op timeout (torch's per-call options).
   void begin(const std::string& op, std::chrono::milliseconds timeout);
   void setAlgorithm(const std::string& algorithm) { algorithm_ = algorithm; }
+  // Puts `hash` (of the call: collective, dtype, reduce op, root) into the current
+  // collective's tag (transport.h, kCallTagMask): a peer in another call at this
+  // collective then fails the receive that meets its message. Ranks must agree on
+  // it exactly when their calls agree.
+  void setCall(uint64_t hash) {
+    tag_ = (tag_ & ~kCallTagMask) | ((hash << kCallTagShift) & kCallTagMask);
+  }
   // The cost model `auto` uses on this group (common/cost_model.h).
   const CostModel& costModel() const { return costModel_; }
   void setCostModel(const CostModel& model) { costModel_ = model; }

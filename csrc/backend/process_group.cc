@@ -54,6 +54,24 @@ int64_t totalNumel(const Tensors& tensors) {
   return total;
 }
 
+// What Comm::setCall puts in a collective's tags: FNV-1a over the collective, dtype,
+// reduce op and root (not the count: sizes are checked by the message sizes, and
+// all-to-all's differ).
+uint64_t callHash(const CallSignature& sig) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const void* data, size_t bytes) {
+    for (size_t i = 0; i < bytes; ++i) {
+      h ^= static_cast<const unsigned char*>(data)[i];
+      h *= 1099511628211ull;
+    }
+  };
+  mix(sig.op, std::strlen(sig.op));
+  mix(&sig.dtype, sizeof(sig.dtype));
+  mix(&sig.reduceOp, sizeof(sig.reduceOp));
+  mix(&sig.root, sizeof(sig.root));
+  return h ^ (h >> 29);
+}
+
 std::string describeCall(const CallSignature& sig) {
   std::string text = sig.op;
   if (sig.dtype >= 0) text += strCat(" ", dataTypeName(static_cast<DataType>(sig.dtype)));
@@ -209,6 +227,7 @@ std::exception_ptr ProcessGroupPycomm::runTask(Task& task, bool inline_) {
     try {
       comm_->begin(task.op, task.timeout);
       if (config_.checkCalls && comm_->size() > 1) checkSameCall(*comm_, task.signature);
+      comm_->setCall(callHash(task.signature));  // after the check, which names both calls
       if (task.beforeBody) task.beforeBody();
       task.body(*comm_);
     } catch (const Error& e) {

@@ -61,8 +61,13 @@ void Request::onComplete(std::function<void()> callback) {
   callback();
 }
 
+std::string otherCallText(const std::string& sender) {
+  return sender + " is in another call at this collective (ranks called different collectives, or with "
+                  "different dtypes, reduce ops or roots? PYCOMM_CHECK=1 names each rank's call)";
+}
+
 std::string tagText(uint64_t tag) {
-  std::string text = std::to_string(tag & (kCreditTagBit - 1));
+  std::string text = std::to_string(tag & (kCreditTagBit - 1) & ~kCallTagMask);
   if (tag & kCreditTagBit) text += " (a credit)";
   return text;
 }

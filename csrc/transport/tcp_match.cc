@@ -102,9 +102,12 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes,
         auto& queue = peers_[source]->unexpected;
         for (auto it = queue.begin(); it != queue.end(); ++it) {
           Unexpected& u = **it;
-          if (u.tag != tag || u.claim != Unexpected::Claim::kNone) continue;
-          if (!posted.fits(u.data.size())) {
-            failure = sizeMismatch(rankName(source), u.data.size(), posted.bytes, posted.upTo);
+          if (u.claim != Unexpected::Claim::kNone) continue;
+          const bool wrongCall = otherCall(u.tag, tag);
+          if (u.tag != tag && !wrongCall) continue;
+          if (wrongCall || !posted.fits(u.data.size())) {
+            failure = wrongCall ? otherCallText(rankName(source))
+                                : sizeMismatch(rankName(source), u.data.size(), posted.bytes, posted.upTo);
             if (u.complete) {
               unexpectedBytes_ -= u.data.size();
               queue.erase(it);
@@ -196,10 +199,11 @@ bool TcpTransport::matchIncoming(int peer) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto take = [&](std::deque<PostedRecv>& list) {
       for (auto it = list.begin(); it != list.end(); ++it) {
-        if (it->tag != s0.header.tag) continue;
-        if (!it->fits(bytes)) {
+        const bool wrongCall = otherCall(it->tag, s0.header.tag);
+        if (it->tag != s0.header.tag && !wrongCall) continue;
+        if (wrongCall || !it->fits(bytes)) {
           mismatched = it->request;
-          mismatch = sizeMismatch(rankName(peer), bytes, it->bytes, it->upTo);
+          mismatch = wrongCall ? otherCallText(rankName(peer)) : sizeMismatch(rankName(peer), bytes, it->bytes, it->upTo);
           message->discarding = true;
         } else {
           message->request = it->request;

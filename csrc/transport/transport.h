@@ -33,8 +33,18 @@ constexpr int kSourceIsPeer = -2;
 
 // Tag bits set above the transport (the algorithms' Comm and SubTransport);
 // the transport only shows them: a collective's tag is its sequence number
-// with bit 63 set, a sub-group's gets bit 62, a flow-control credit bit 61.
+// (mod 2^32) with bit 63 set, a sub-group's gets bit 62, a flow-control credit bit 61.
 constexpr uint64_t kCreditTagBit = 1ull << 61;
+// Bits 32-60 of a collective's tag hash its call (collective, dtype, reduce op,
+// root; Comm::setCall). A message whose tag differs from a posted receive's only
+// there comes from a rank in another call at the same collective: the receive
+// fails (ranks whose calls move the same bytes would otherwise compute garbage).
+// User tags (below 2^31) never set them.
+constexpr int kCallTagShift = 32;
+constexpr uint64_t kCallTagMask = ((1ull << 29) - 1) << kCallTagShift;
+inline bool otherCall(uint64_t a, uint64_t b) { return a != b && ((a ^ b) & ~kCallTagMask) == 0; }
+// What a receive that met a message of another call fails with.
+std::string otherCallText(const std::string& sender);
 // A tag as errors print it: the sequence number, then "(a credit)" for one.
 std::string tagText(uint64_t tag);
 

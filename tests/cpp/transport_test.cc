@@ -522,6 +522,38 @@ void receivesUpToTheBufferSize() {
   expect(waitOk(next) && received == 9, "the connection survives it");
 }
 
+// A collective's tag carries a hash of its call (kCallTagMask): a message whose tag
+// differs from a receive's only there fails the receive, whether the receive was
+// posted first or the message arrived first; the stream stays in step.
+void anotherCallFailsTheReceive() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  const uint64_t collective = 1ull << 63;
+  for (bool postedFirst : {true, false}) {
+    const uint64_t seq = postedFirst ? 7 : 8;
+    const uint64_t mine = collective | (uint64_t(0x1234) << kCallTagShift) | seq;
+    const uint64_t theirs = collective | (uint64_t(0x4321) << kCallTagShift) | seq;
+    float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
+    RequestPtr recv;
+    if (postedFirst) recv = transports[0]->irecv(1, mine, buffer, sizeof(buffer));
+    auto send = transports[1]->isend(0, theirs, sent, sizeof(sent));
+    if (!postedFirst) {
+      waitOk(send);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      recv = transports[0]->irecv(1, mine, buffer, sizeof(buffer));
+    }
+    recv->waitUntil(Clock::now() + std::chrono::seconds(10));
+    expect(recv->failed() && recv->error().find("rank 1 is in another call at this collective") != std::string::npos,
+           std::string("a message of another call fails the receive (") + (postedFirst ? "posted first" : "unexpected") +
+               "): " + recv->error());
+    expect(buffer[0] == 0, "and writes nothing into it");
+  }
+  int value = 3, received = 0;
+  auto next = transports[0]->irecv(1, 9, &received, sizeof(received));
+  transports[1]->isend(0, 9, &value, sizeof(value));
+  expect(waitOk(next) && received == 3, "the connection stays in step after it");
+}
+
 void sizeMismatchIsReported() {
   MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
@@ -856,6 +888,7 @@ int main() {
   abortNoticeNamesTheFirstFailure();
   sizeMismatchIsReported();
   receivesUpToTheBufferSize();
+  anotherCallFailsTheReceive();
   emptyMessagesIntoNullBuffers();
   pendingCreditIsNamed();
   receivesPostedWhileTheMessageArrives();
