@@ -1227,6 +1227,15 @@ def test_p2p_future_callback_may_wait_on_another_receive():
     assert out["values"] == [float(i) for i in range(50)], out
 
 
+def _source_rank_refused(work):
+    """True when work._source_rank() raises torch's "only on a receive" error."""
+    try:
+        work._source_rank()
+        return "no error"
+    except RuntimeError as exc:
+        return "may only be called" in str(exc)
+
+
 def p2p_sizes_worker(ctx):
     out = {}
     for name, group in (("pycomm", None), ("gloo", ctx.ref)):
@@ -1236,11 +1245,7 @@ def p2p_sizes_worker(ctx):
             dist.send(torch.full((3,), 2.0), dst=0, group=group)             # into one of its size, from any rank
             work = dist.isend(torch.ones(1), dst=0, group=group)
             work.wait()
-            try:
-                work._source_rank()
-                res["send_source_rank"] = "no error"
-            except RuntimeError as exc:
-                res["send_source_rank"] = "may only be called" in str(exc)
+            res["send_source_rank"] = _source_rank_refused(work)
         else:
             larger = torch.zeros(3)
             res["src"] = dist.recv(larger, src=1, group=group)
@@ -1251,11 +1256,7 @@ def p2p_sizes_worker(ctx):
             dist.recv(torch.zeros(1), src=1, group=group)
         work = dist.all_reduce(torch.ones(1), group=group, async_op=True)
         work.wait()
-        try:
-            work._source_rank()
-            res["collective_source_rank"] = "no error"
-        except RuntimeError as exc:
-            res["collective_source_rank"] = "may only be called" in str(exc)
+        res["collective_source_rank"] = _source_rank_refused(work)
     # A message larger than the receive fails it (gloo aborts the process there); the
     # group stays usable, since the stream stays in step.
     if ctx.rank == 1:

@@ -484,6 +484,20 @@ void abortNoticeNamesTheFirstFailure() {
   expect(later->completed() && later->failed(), "later sends to the aborted rank fail at once: " + later->error());
 }
 
+// Posts a receive (`recv`) before its message is sent (`send`), or once the message
+// has arrived (held as unexpected). Returns {receive, send}.
+std::pair<RequestPtr, RequestPtr> postAround(bool postedFirst, const std::function<RequestPtr()>& recv,
+                                             const std::function<RequestPtr()>& send) {
+  RequestPtr received = postedFirst ? recv() : nullptr;
+  RequestPtr sent = send();
+  if (!postedFirst) {
+    waitOk(sent);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // arrived: unexpected
+    received = recv();
+  }
+  return {received, sent};
+}
+
 // irecv(..., upTo): a message of at most the buffer's size is received into its
 // start, posted before the message or after it arrived, striped or not; a larger one
 // fails like any size mismatch and the stream stays in step.
@@ -493,14 +507,9 @@ void receivesUpToTheBufferSize() {
   for (size_t sent : {size_t(0), size_t(12), size_t(3) << 20}) {
     for (bool postedFirst : {true, false}) {
       std::vector<char> message(sent, 7), buffer(sent + 4096, 1);
-      RequestPtr recv, send;
-      if (postedFirst) recv = transports[0]->irecv(1, 5, buffer.data(), buffer.size(), /*upTo=*/true);
-      send = transports[1]->isend(0, 5, message.data(), message.size());
-      if (!postedFirst) {
-        expect(waitOk(send), "the send completes");
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));  // arrived: unexpected
-        recv = transports[0]->irecv(1, 5, buffer.data(), buffer.size(), /*upTo=*/true);
-      }
+      auto [recv, send] = postAround(
+          postedFirst, [&] { return transports[0]->irecv(1, 5, buffer.data(), buffer.size(), /*upTo=*/true); },
+          [&] { return transports[1]->isend(0, 5, message.data(), message.size()); });
       const bool ok = waitOk(recv) && waitOk(send);
       const bool head = std::all_of(buffer.begin(), buffer.begin() + sent, [](char c) { return c == 7; });
       const bool tail = std::all_of(buffer.begin() + sent, buffer.end(), [](char c) { return c == 1; });
@@ -534,14 +543,8 @@ void anotherCallFailsTheReceive() {
     const uint64_t mine = collective | (uint64_t(0x1234) << kCallTagShift) | seq;
     const uint64_t theirs = collective | (uint64_t(0x4321) << kCallTagShift) | seq;
     float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
-    RequestPtr recv;
-    if (postedFirst) recv = transports[0]->irecv(1, mine, buffer, sizeof(buffer));
-    auto send = transports[1]->isend(0, theirs, sent, sizeof(sent));
-    if (!postedFirst) {
-      waitOk(send);
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      recv = transports[0]->irecv(1, mine, buffer, sizeof(buffer));
-    }
+    auto [recv, send] = postAround(postedFirst, [&] { return transports[0]->irecv(1, mine, buffer, sizeof(buffer)); },
+                                   [&] { return transports[1]->isend(0, theirs, sent, sizeof(sent)); });
     recv->waitUntil(Clock::now() + std::chrono::seconds(10));
     expect(recv->failed() && recv->error().find("rank 1 is in another call at this collective") != std::string::npos,
            std::string("a message of another call fails the receive (") + (postedFirst ? "posted first" : "unexpected") +
@@ -685,7 +688,11 @@ void failedPeerDetachesHalfReceivedMessage() {
     auto send = transports[1]->isend(0, 7, sent.data(), sent.size());
     // The sender stops mid-message while the test holds its send lock.
     std::lock_guard<std::mutex> stall(TcpTransportProbe::sendMutex(*transports[1], 0));
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    // Until its header and first bytes arrived (held as unexpected). A fixed 200 ms
+    // was not always enough on a loaded 2-core machine.
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (!TcpTransportProbe::firstUnexpected(*transports[0], 1, &complete, &waiting) && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     recv = transports[0]->irecv(1, 7, received.data(), received.size());
     message = TcpTransportProbe::firstUnexpected(*transports[0], 1, &complete, &waiting);
     expect(message && !complete && waiting, "a receive claimed the half-received message");
