@@ -8,11 +8,11 @@
 // just a slow callback) starts another thread, as gloo's several worker threads
 // would run it; at most kMaxThreads, past which completions queue.
 //
-// Point-to-point works complete on a transport I/O thread and post their futures
-// here through a Poster, which shares the queue but not the pool: the last
-// reference to a work (and so perhaps to the group and its transport) is never
-// dropped on the I/O thread, and a callback that waits on a receive never blocks
-// the thread that would complete it.
+// A point-to-point work completes on a transport I/O thread; once its future has
+// been handed out (its callbacks are user code), the future is posted here through
+// a Poster, which shares the queue but not the pool, with the work itself: a
+// callback that waits on a receive never blocks the thread that would complete it,
+// and the I/O thread never drops the last reference to such a work.
 #pragma once
 
 #include <condition_variable>
