@@ -7,14 +7,6 @@
 #include "common/stats.h"
 
 namespace pycomm {
-namespace {
-
-std::string sizeMismatch(const std::string& sender, size_t sent, size_t expected, bool upTo) {
-  return strCat(sender, " sent ", sent, " bytes where ", upTo ? "at most " : "", expected,
-                " were expected (tensor sizes differ between ranks?)");
-}
-
-}  // namespace
 
 LoopbackFabric::LoopbackFabric(int size)
     : size_(size), boxes_(static_cast<size_t>(size) * size) {}
@@ -35,8 +27,8 @@ RequestPtr LoopbackTransport::isend(int peer, uint64_t tag, const void* data, si
       auto& box = fabric_->box(rank_, peer);
       for (auto it = box.posted.begin(); it != box.posted.end(); ++it) {
         if (it->tag != tag) continue;
-        if (it->upTo ? bytes > it->bytes : bytes != it->bytes) {
-          mismatch = sizeMismatch(rankName(rank_), bytes, it->bytes, it->upTo);
+        if (!receiveFits(bytes, it->bytes, it->upTo)) {
+          mismatch = sizeMismatchText(rankName(rank_), bytes, it->bytes, it->upTo);
         } else if (bytes > 0) {
           std::memcpy(it->data, data, bytes);
         }
@@ -79,8 +71,8 @@ RequestPtr LoopbackTransport::irecv(int peer, uint64_t tag, void* data, size_t b
       for (auto it = box.queued.begin(); it != box.queued.end(); ++it) {
         if (it->tag != tag) continue;
         delivered = it->data.size();
-        if (upTo ? delivered > bytes : delivered != bytes) {
-          failure = sizeMismatch(rankName(peer), delivered, bytes, upTo);
+        if (!receiveFits(delivered, bytes, upTo)) {
+          failure = sizeMismatchText(rankName(peer), delivered, bytes, upTo);
         } else if (delivered > 0) {
           std::memcpy(data, it->data.data(), delivered);
         }

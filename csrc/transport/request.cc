@@ -66,6 +66,11 @@ std::string otherCallText(const std::string& sender) {
                   "different dtypes, reduce ops or roots? PYCOMM_CHECK=1 names each rank's call)";
 }
 
+std::string sizeMismatchText(const std::string& sender, size_t sent, size_t expected, bool upTo) {
+  return sender + " sent " + std::to_string(sent) + " bytes where " + (upTo ? "at most " : "") +
+         std::to_string(expected) + " were expected (tensor sizes differ between ranks?)";
+}
+
 std::string tagText(uint64_t tag) {
   std::string text = std::to_string(tag & (kCreditTagBit - 1) & ~kCallTagMask);
   if (tag & kCreditTagBit) text += " (a credit)";

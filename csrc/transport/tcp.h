@@ -84,7 +84,7 @@ class TcpTransport : public Transport {
     size_t bytes = 0;
     RequestPtr request;
     bool upTo = false;  // a message of at most `bytes` fits (irecv's upTo)
-    bool fits(size_t sent) const { return upTo ? sent <= bytes : sent == bytes; }
+    bool fits(size_t sent) const { return receiveFits(sent, bytes, upTo); }
   };
   // A message that arrived before its receive was posted.
   struct Unexpected {

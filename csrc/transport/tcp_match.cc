@@ -14,16 +14,7 @@
 #include "common/stats.h"
 
 namespace pycomm {
-namespace {
 
-// Why a receive of `expected` bytes (at most that many with `upTo`) cannot take a
-// message of `sent`.
-std::string sizeMismatch(const std::string& sender, size_t sent, size_t expected, bool upTo) {
-  return strCat(sender, " sent ", sent, " bytes where ", upTo ? "at most " : "", expected,
-                " were expected (tensor sizes differ between ranks?)");
-}
-
-}  // namespace
 RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t bytes) {
   PYCOMM_CHECK_INTERNAL(peer >= 0 && peer < size_ && peer != rank_, "bad peer ", peer);
   auto request = std::make_shared<Request>(peer, bytes);
@@ -107,7 +98,7 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes,
           if (u.tag != tag && !wrongCall) continue;
           if (wrongCall || !posted.fits(u.data.size())) {
             failure = wrongCall ? otherCallText(rankName(source))
-                                : sizeMismatch(rankName(source), u.data.size(), posted.bytes, posted.upTo);
+                                : sizeMismatchText(rankName(source), u.data.size(), posted.bytes, posted.upTo);
             if (u.complete) {
               unexpectedBytes_ -= u.data.size();
               queue.erase(it);
@@ -203,7 +194,7 @@ bool TcpTransport::matchIncoming(int peer) {
         if (it->tag != s0.header.tag && !wrongCall) continue;
         if (wrongCall || !it->fits(bytes)) {
           mismatched = it->request;
-          mismatch = wrongCall ? otherCallText(rankName(peer)) : sizeMismatch(rankName(peer), bytes, it->bytes, it->upTo);
+          mismatch = wrongCall ? otherCallText(rankName(peer)) : sizeMismatchText(rankName(peer), bytes, it->bytes, it->upTo);
           message->discarding = true;
         } else {
           message->request = it->request;

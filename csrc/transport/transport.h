@@ -45,6 +45,10 @@ constexpr uint64_t kCallTagMask = ((1ull << 29) - 1) << kCallTagShift;
 inline bool otherCall(uint64_t a, uint64_t b) { return a != b && ((a ^ b) & ~kCallTagMask) == 0; }
 // What a receive that met a message of another call fails with.
 std::string otherCallText(const std::string& sender);
+// Whether a receive of `expected` bytes (at most that many with `upTo`) takes a
+// message of `sent`, and what it fails with when not.
+inline bool receiveFits(size_t sent, size_t expected, bool upTo) { return upTo ? sent <= expected : sent == expected; }
+std::string sizeMismatchText(const std::string& sender, size_t sent, size_t expected, bool upTo);
 // A tag as errors print it: the sequence number, then "(a credit)" for one.
 std::string tagText(uint64_t tag);
 

@@ -484,6 +484,20 @@ void abortNoticeNamesTheFirstFailure() {
   expect(later->completed() && later->failed(), "later sends to the aborted rank fail at once: " + later->error());
 }
 
+// Waits for `recv` and expects it to have failed with `text` in its error.
+void expectFailed(const RequestPtr& recv, const std::string& text, const std::string& what) {
+  recv->waitUntil(Clock::now() + std::chrono::seconds(10));
+  expect(recv->failed() && recv->error().find(text) != std::string::npos, what + ": " + recv->error());
+}
+
+// After a failed receive the pair still carries a message intact (on `tag`).
+void expectInStep(std::vector<std::unique_ptr<TcpTransport>>& transports, uint64_t tag, const std::string& what) {
+  int value = static_cast<int>(tag), received = 0;
+  auto next = transports[0]->irecv(1, tag, &received, sizeof(received));
+  transports[1]->isend(0, tag, &value, sizeof(value));
+  expect(waitOk(next) && received == value, what);
+}
+
 // Posts a receive (`recv`) before its message is sent (`send`), or once the message
 // has arrived (held as unexpected). Returns {receive, send}.
 std::pair<RequestPtr, RequestPtr> postAround(bool postedFirst, const std::function<RequestPtr()>& recv,
@@ -521,14 +535,8 @@ void receivesUpToTheBufferSize() {
   std::vector<char> big(800), small(400);
   auto recv = transports[0]->irecv(1, 6, small.data(), small.size(), /*upTo=*/true);
   transports[1]->isend(0, 6, big.data(), big.size());
-  recv->waitUntil(Clock::now() + std::chrono::seconds(10));
-  expect(recv->failed() && recv->error().find("rank 1 sent 800 bytes where at most 400 were expected") !=
-                               std::string::npos,
-         "a larger message fails an upTo receive: " + recv->error());
-  int value = 9, received = 0;
-  auto next = transports[0]->irecv(1, 7, &received, sizeof(received));
-  transports[1]->isend(0, 7, &value, sizeof(value));
-  expect(waitOk(next) && received == 9, "the connection survives it");
+  expectFailed(recv, "rank 1 sent 800 bytes where at most 400 were expected", "a larger message fails an upTo receive");
+  expectInStep(transports, 7, "the connection survives it");
 }
 
 // A collective's tag carries a hash of its call (kCallTagMask): a message whose tag
@@ -545,16 +553,12 @@ void anotherCallFailsTheReceive() {
     float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
     auto [recv, send] = postAround(postedFirst, [&] { return transports[0]->irecv(1, mine, buffer, sizeof(buffer)); },
                                    [&] { return transports[1]->isend(0, theirs, sent, sizeof(sent)); });
-    recv->waitUntil(Clock::now() + std::chrono::seconds(10));
-    expect(recv->failed() && recv->error().find("rank 1 is in another call at this collective") != std::string::npos,
-           std::string("a message of another call fails the receive (") + (postedFirst ? "posted first" : "unexpected") +
-               "): " + recv->error());
+    expectFailed(recv, "rank 1 is in another call at this collective",
+                 std::string("a message of another call fails the receive (") +
+                     (postedFirst ? "posted first" : "unexpected") + ")");
     expect(buffer[0] == 0, "and writes nothing into it");
   }
-  int value = 3, received = 0;
-  auto next = transports[0]->irecv(1, 9, &received, sizeof(received));
-  transports[1]->isend(0, 9, &value, sizeof(value));
-  expect(waitOk(next) && received == 3, "the connection stays in step after it");
+  expectInStep(transports, 9, "the connection stays in step after it");
 }
 
 void sizeMismatchIsReported() {
@@ -563,15 +567,8 @@ void sizeMismatchIsReported() {
   std::vector<char> small(400), big(800);
   auto recv = transports[0]->irecv(1, 3, big.data(), big.size());
   transports[1]->isend(0, 3, small.data(), small.size());
-  recv->waitUntil(Clock::now() + std::chrono::seconds(10));
-  expect(recv->failed() && recv->error().find("rank 1 sent 400 bytes where 800 were expected") !=
-                               std::string::npos,
-         "a size mismatch names the sender and both sizes: " + recv->error());
-  // The stream stays in step: the next message arrives intact.
-  int value = 5, received = 0;
-  auto next = transports[0]->irecv(1, 4, &received, sizeof(received));
-  transports[1]->isend(0, 4, &value, sizeof(value));
-  expect(waitOk(next) && received == 5, "the connection survives a mismatched message");
+  expectFailed(recv, "rank 1 sent 400 bytes where 800 were expected", "a size mismatch names the sender and both sizes");
+  expectInStep(transports, 4, "the connection survives a mismatched message");
 }
 
 // A timeout names the receive it waits on by the collective's sequence number;
