@@ -41,7 +41,10 @@ def _direct_allreduce_complex():
 # name -> (family of the op name expected after "pycomm ", the call); every
 # case is symmetric (all ranks make the same bad call), so none can hang.
 CASES = {
-    "all_reduce non-contiguous": ("allreduce", lambda: dist.all_reduce(torch.ones(4, 4).t(), async_op=True)),
+    # (non-contiguous tensors are taken, through contiguous copies: test_collectives.py;
+    # an output whose elements share memory cannot take the result back)
+    "all_reduce on an expand()ed tensor": (
+        "allreduce", lambda: dist.all_reduce(torch.ones(1, 4).expand(4, 4), async_op=True)),
     # sparse tensors: all_reduce takes them with SUM/AVG (tests/test_sparse_allreduce.py)
     "all_reduce sparse MAX": (
         "allreduce", lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX, async_op=True)),
@@ -67,7 +70,8 @@ CASES = {
     "all_reduce unsupported dtype complex64 (ProcessGroup API)": ("allreduce", _direct_allreduce_complex),
     "reduce unsupported dtype complex64": (
         "reduce", lambda: dist.reduce(torch.ones(4, dtype=torch.complex64), dst=0, async_op=True)),
-    "broadcast non-contiguous": ("broadcast", lambda: dist.broadcast(torch.ones(4, 4).t(), src=0, async_op=True)),
+    "broadcast into an expand()ed tensor": (
+        "broadcast", lambda: dist.broadcast(torch.ones(4, 1).expand(4, 4), src=0, async_op=True)),
     "all_gather output list with a wrong-size tensor": (
         "allgather", lambda: dist.all_gather([torch.zeros(5), torch.zeros(6)], torch.ones(5), async_op=True)),
     # (a wrong output dtype is rejected by torch's Python layer before any backend sees it)

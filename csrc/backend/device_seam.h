@@ -8,6 +8,9 @@
 //  * on the CPU, or on a device type without a seam (the identity, the default),
 //    runs the body on the tensors as they are, with the caller's asyncOp: no copy,
 //    no allocation. The CPU checks in the body reject what is not on the CPU;
+//  * on the CPU with a strided tensor that is not contiguous among them (as gloo
+//    takes them), goes through the strided CPU seam (strided_staging.cc): those
+//    tensors are staged into contiguous copies, the outputs copied back at the end;
 //  * on a device type with a seam (CUDA in the CUDA build: cuda_staging.h), asks
 //    the seam to stage the call: the seam gives one host tensor per declared
 //    tensor (which the body runs on), a Launch for enqueue (asyncOp forced where
@@ -87,10 +90,17 @@ DeviceSeam* deviceSeam(c10::DeviceType type);
 // "cpu" and every type with a seam (the devices the backend registers for).
 std::vector<std::string> seamDevices();
 
+// The CPU's seam for strided tensors that are not contiguous (a transpose, a
+// column slice, channels_last; strided_staging.cc): the call runs on contiguous
+// copies of those tensors, and the outputs among them are copied back when it
+// completes. Contiguous tensors of the same call go as they are.
+DeviceSeam& stridedCpuSeam();
+
 // The device of one call's tensors. Tensors on a device with a seam must be
 // strided, contiguous and on one device; any other tensor of the call may not
 // sit beside them (usage errors name the op). Undefined tensors are left to the
-// CPU checks.
+// CPU checks. A call whose tensors are all on the CPU (or on devices without a
+// seam) takes the strided CPU seam when one of them is strided but not contiguous.
 class DeviceProbe {
  public:
   explicit DeviceProbe(const char* op) : op_(op) {}
@@ -98,6 +108,8 @@ class DeviceProbe {
     if (!t.defined()) return;
     if (t.device().is_cpu()) {
       other_ = t.device();
+      // is_contiguous() is cached on the tensor; sparse layouts have none.
+      if (t.layout() == at::kStrided && !t.is_contiguous()) nonContiguous_ = true;
       return;
     }
     addNonCpu(t);
@@ -111,9 +123,10 @@ class DeviceProbe {
   // The seam of the call (nullptr: the tensors go as they are); throws on a mix.
   DeviceSeam* seam() const {
     if (seam_ != nullptr && other_) mixed(*device_, *other_);
+    if (seam_ == nullptr && nonContiguous_) return &stridedCpuSeam();
     return seam_;
   }
-  at::Device device() const { return *device_; }
+  at::Device device() const { return device_.value_or(at::Device(at::kCPU)); }
 
  private:
   void addNonCpu(const at::Tensor& t);
@@ -123,6 +136,7 @@ class DeviceProbe {
   DeviceSeam* seam_ = nullptr;
   std::optional<at::Device> device_;  // of the tensors with a seam
   std::optional<at::Device> other_;   // the last tensor's without one
+  bool nonContiguous_ = false;        // a strided CPU tensor that is not contiguous
 };
 
 template <typename T>
