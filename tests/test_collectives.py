@@ -900,6 +900,27 @@ def sec_non_contiguous(ctx, chk, full):
     both("all_gather of an expand()ed input", expanded_input, exact=True)
 
 
+def sec_all_to_all_in_place(ctx, chk, full):
+    """all_to_all_single(t, t) and all_to_all with outputs that are the inputs in
+    another order: the inputs are read from a copy. Closed form reference (gloo,
+    torch 2.13, returns wrong blocks for the first, at most sizes)."""
+    w, r = ctx.world_size, ctx.rank
+    for n in (1, 1000, 100_000):
+        what = f"all_to_all_single(t, t) n={n} per rank"
+        chk.note(what)
+        t = torch.arange(w * n, dtype=torch.float32) + 10_000 * r
+        exp = torch.cat([torch.arange(r * n, (r + 1) * n, dtype=torch.float32) + 10_000 * j for j in range(w)])
+        if chk.call(what, lambda: dist.all_to_all_single(t, t)):
+            chk.compare(what, t, exp, exact=True)
+        what = f"all_to_all(reversed(inputs), inputs) n={n}"
+        chk.note(what)
+        ins = [torch.arange(n, dtype=torch.int64) + 10_000 * r + 1_000 * j for j in range(w)]
+        outs = list(reversed(ins))
+        if chk.call(what, lambda: dist.all_to_all(outs, ins)):
+            for j, o in enumerate(outs):
+                chk.compare(what + f" from rank {j}", o, torch.arange(n, dtype=torch.int64) + 10_000 * j + 1_000 * r)
+
+
 def sec_coalesced(ctx, chk, full):
     w = ctx.world_size
     warnings.simplefilter("ignore")
@@ -1169,13 +1190,14 @@ SECTIONS = {
     "barrier": sec_barrier,
     "p2p": sec_p2p,
     "non_contiguous": sec_non_contiguous,
+    "all_to_all_in_place": sec_all_to_all_in_place,
     "coalesced": sec_coalesced,
     "async": sec_async,
     "subgroups": sec_subgroups,
     "reinit": sec_reinit,  # must stay last: it destroys the groups
 }
 SECTIONS_W4 = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "p2p", "subgroups"]
+               "all_to_all_single", "all_to_all_in_place", "p2p", "subgroups"]
 
 
 def collectives_worker(ctx, sections, full):

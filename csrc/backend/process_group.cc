@@ -3,12 +3,14 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>  // allow_inflight_collective_as_graph_input
 
 #include <condition_variable>
 #include <cstring>
 #include <thread>
+#include <unordered_map>
 
 #include "algorithms/alltoall_splits.h"
 #include "backend/store_adapter.h"
@@ -26,6 +28,28 @@ using c10d::OpType;
 using Tensors = std::vector<at::Tensor>;
 
 char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+// The inputs of an all-to-all as it may read them while writing `outputs`: an input
+// that shares memory with an output (all_to_all_single(t, t), or an output list made
+// of the input tensors) is read from a copy taken now, since its blocks are sent
+// while other ranks' blocks land in the outputs. The rest are the caller's tensors.
+std::vector<at::Tensor> readableWhileWriting(const std::vector<at::Tensor>& inputs,
+                                             const std::vector<at::Tensor>& outputs) {
+  std::unordered_multimap<const c10::StorageImpl*, const at::Tensor*> written;
+  for (const auto& t : outputs)
+    if (t.has_storage()) written.emplace(t.storage().unsafeGetStorageImpl(), &t);
+  std::vector<at::Tensor> result = inputs;
+  for (auto& t : result) {
+    if (!t.has_storage()) continue;
+    auto [first, last] = written.equal_range(t.storage().unsafeGetStorageImpl());
+    for (auto it = first; it != last; ++it)
+      if (at::get_overlap_status(t, *it->second) != at::MemOverlapStatus::No) {
+        t = t.clone();
+        break;
+      }
+  }
+  return result;
+}
 
 CallSignature signature(const char* op, const at::Tensor* like = nullptr, int64_t count = -1,
                         int reduceOp = -1, int root = -1) {
@@ -812,7 +836,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
     if (sendBytes[getRank()] != recvBytes[getRank()])
       usageError(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
             " bytes but expects " + std::to_string(recvBytes[getRank()]));
-    at::Tensor in = input, out = output;
+    at::Tensor out = output;
+    const at::Tensor in = readableWhileWriting({input}, {output})[0];
     return enqueue("alltoall", OpType::ALLTOALL_BASE, {output},
                    [in, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
                     recvOffsets = recvOffsets, recvBytes = recvBytes](Comm& c) {
@@ -847,7 +872,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
     }
     if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
       usageError(where(name) + "the tensor this rank sends itself differs in size from its output slot");
-    Tensors ins = inputs, outs = outputs;
+    Tensors ins = readableWhileWriting(inputs, outputs), outs = outputs;
     return enqueue(name, OpType::ALLTOALL, outs,
                    [ins, outs](Comm& c) {
                      std::vector<const char*> sends;
