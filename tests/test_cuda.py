@@ -354,6 +354,23 @@ def collectives_worker(ctx):
         got = torch.empty(10_001, device="cuda")
         dist.recv(got, src=0)
         out["send_recv"] = (got.cpu(), _data(torch.float32, 10_001, 14, 0))
+    # from any source: the staged Work passes the receive's source on
+    if rank == 0:
+        dist.send(data(torch.float32, 101, 15).cuda(), dst=1, tag=3)
+    elif rank == 1:
+        got = torch.empty(101, device="cuda")
+        src = dist.recv(got, tag=3)
+        out["recv_anysource"] = (got.cpu(), _data(torch.float32, 101, 15, 0))
+        out["recv_anysource_rank"] = (torch.tensor([src]), torch.tensor([0]))
+    # a message shorter than the tensor: the rest of the tensor stays as it was
+    if rank == 0:
+        dist.send(data(torch.float32, 12, 16).cuda(), dst=1, tag=4)
+    elif rank == 1:
+        got = torch.full((35,), -1.0, device="cuda")
+        dist.recv(got, src=0, tag=4)
+        want = torch.full((35,), -1.0)
+        want[:12] = _data(torch.float32, 12, 16, 0)
+        out["recv_shorter_message"] = (got.cpu(), want)
 
     ctx.progress("usage errors")
     try:

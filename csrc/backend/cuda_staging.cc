@@ -95,6 +95,8 @@ class StagedWork : public c10d::Work {
   }
   std::vector<at::Tensor> result() override { return state_->deviceOutputs; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return state_->future; }
+  // A receive's source (the host Work raises torch's error for everything else).
+  int sourceRank() const override { return hostWork_->sourceRank(); }
 
   // Host: until the CPU collective is done (its timeout and failures apply) and the
   // copies back are enqueued. Device: the current stream waits for those copies.
@@ -129,7 +131,9 @@ class CudaStagedCall : public StagedCall {
     bool copied = false;
     host.reserve(tensors.size());
     for (const DeclaredTensor& d : tensors) {
-      const bool copyIn = d.role != Role::kOut;
+      // A receive (the only direct call with an output) may fill only part of its
+      // tensor, and the rest must come back as it was: its twin starts as a copy.
+      const bool copyIn = d.role != Role::kOut || dispatch == Dispatch::kDirect;
       copied = copied || copyIn;
       host.push_back(twin(*d.tensor, copyIn, d.role != Role::kIn));
     }

@@ -10,8 +10,9 @@
 //     another device beside them (DeviceProbe; usage errors raise);
 //  2. enqueues a copy of each input (role in / inout) into a pinned host twin on
 //     the caller's current stream and records an event there (no host
-//     synchronisation); an output gets a twin without the copy, and a tensor
-//     declared twice shares one twin;
+//     synchronisation); an output gets a twin without the copy (but a receive's
+//     does get it: a shorter message leaves the rest of the tensor as it was), and a
+//     tensor declared twice shares one twin;
 //  3. runs the CPU collective on the twins, always queued (the Launch forces
 //     asyncOp), with a pre-body step, handed to enqueue in the Launch, in which the
 //     worker waits on that event before the body;
