@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import threading
 import time
 import traceback
@@ -1541,6 +1542,32 @@ def test_p2p_wait_with_a_short_timeout_leaves_the_receive_posted():
     assert r0["completed_after_timeout"] is False, r0
     assert r0["got"] == [5.0] * 4, r0
     assert rets[0]["after"] == rets[1]["after"] == 2.0, rets
+
+
+def different_roots_tcp_worker(ctx):
+    x = torch.full((4,), float(ctx.rank))
+    dist.broadcast(x, src=ctx.rank)  # each rank names itself the root: both only send
+    out = {"broadcast": x.tolist()}
+    try:
+        dist.all_reduce(torch.ones(1))
+        out["next"] = "no error"
+    except dist.DistBackendError as exc:
+        out["next"] = str(exc)
+    return out
+
+
+def test_broadcast_with_different_roots_fails_at_the_next_call_over_tcp():
+    """2 ranks over TCP, each naming itself broadcast's root: both only send, so no
+    receive meets the other's message in that call (it returns, as each root's does).
+    Its message used to wait unread for good and each rank kept its own tensor without
+    an error; now the next call's receive meets it and fails, naming the collective."""
+    rets = spawn_run(different_roots_tcp_worker, 2, backend=BACKEND, make_ref=False,
+                     env={"PYCOMM_TRANSPORT": "tcp"}, timeout_s=120, pg_timeout_s=20).check().returns
+    for rank, out in rets.items():
+        assert out["next"] != "no error", (rank, out)
+    assert len(rets) == 2, rets
+    assert any(re.search(r"rank \d sent a message in collective #\d+ that this rank finished without it",
+                         out["next"]) for out in rets.values()), rets
 
 
 def different_calls_tcp_worker(ctx, case):

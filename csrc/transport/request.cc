@@ -96,6 +96,14 @@ std::string otherCallText(const std::string& sender) {
                   "different dtypes, reduce ops or roots? PYCOMM_CHECK=1 names each rank's call)";
 }
 
+std::string earlierCallText(const std::string& sender, uint64_t message, uint64_t receive) {
+  return sender + " sent a message in collective #" + std::to_string(static_cast<uint32_t>(message)) +
+         " that this rank finished without it, and it met this rank's receive in collective #" +
+         std::to_string(static_cast<uint32_t>(receive)) +
+         " (the ranks made different calls there, such as a broadcast with different roots? "
+         "PYCOMM_CHECK=1 names each rank's call)";
+}
+
 std::string sizeMismatchText(const std::string& sender, size_t sent, size_t expected, bool upTo) {
   return sender + " sent " + std::to_string(sent) + " bytes where " + (upTo ? "at most " : "") +
          std::to_string(expected) + " were expected (tensor sizes differ between ranks?)";

@@ -95,9 +95,11 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes,
           Unexpected& u = **it;
           if (u.claim != Unexpected::Claim::kNone) continue;
           const bool wrongCall = otherCall(u.tag, tag);
-          if (u.tag != tag && !wrongCall) continue;
-          if (wrongCall || !posted.fits(u.data.size())) {
+          const bool earlier = earlierCall(u.tag, tag);
+          if (u.tag != tag && !wrongCall && !earlier) continue;
+          if (wrongCall || earlier || !posted.fits(u.data.size())) {
             failure = wrongCall ? otherCallText(rankName(source))
+                      : earlier ? earlierCallText(rankName(source), u.tag, tag)
                                 : sizeMismatchText(rankName(source), u.data.size(), posted.bytes, posted.upTo);
             if (u.complete) {
               unexpectedBytes_ -= u.data.size();
@@ -191,10 +193,13 @@ bool TcpTransport::matchIncoming(int peer) {
     auto take = [&](std::deque<PostedRecv>& list) {
       for (auto it = list.begin(); it != list.end(); ++it) {
         const bool wrongCall = otherCall(it->tag, s0.header.tag);
-        if (it->tag != s0.header.tag && !wrongCall) continue;
-        if (wrongCall || !it->fits(bytes)) {
+        const bool earlier = earlierCall(s0.header.tag, it->tag);
+        if (it->tag != s0.header.tag && !wrongCall && !earlier) continue;
+        if (wrongCall || earlier || !it->fits(bytes)) {
           mismatched = it->request;
-          mismatch = wrongCall ? otherCallText(rankName(peer)) : sizeMismatchText(rankName(peer), bytes, it->bytes, it->upTo);
+          mismatch = wrongCall ? otherCallText(rankName(peer))
+                     : earlier ? earlierCallText(rankName(peer), s0.header.tag, it->tag)
+                               : sizeMismatchText(rankName(peer), bytes, it->bytes, it->upTo);
           message->discarding = true;
         } else {
           message->request = it->request;

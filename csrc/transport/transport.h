@@ -46,6 +46,20 @@ constexpr uint64_t kCallTagMask = ((1ull << 29) - 1) << kCallTagShift;
 inline bool otherCall(uint64_t a, uint64_t b) { return a != b && ((a ^ b) & ~kCallTagMask) == 0; }
 // What a receive that met a message of another call fails with.
 std::string otherCallText(const std::string& sender);
+// Whether `message` is a collective message of an earlier collective than the
+// receive `receive` waits for, in the same tag space (bits 61-63 alike; sequence
+// numbers compared mod 2^32). A rank posts collective receives only for the
+// collective it runs, and finishes one only once every message sent to it there
+// has come, so such a message was sent in a call that moved data this rank's call
+// did not take (a broadcast whose ranks name different roots): the receive fails.
+inline bool earlierCall(uint64_t message, uint64_t receive) {
+  constexpr uint64_t kSpace = ~((1ull << 61) - 1);  // the collective, sub-group and credit bits
+  if ((message >> 63) == 0 || (message & kSpace) != (receive & kSpace)) return false;
+  const uint32_t behind = static_cast<uint32_t>(receive) - static_cast<uint32_t>(message);
+  return behind != 0 && behind < (1u << 31);
+}
+// What a receive that met a message of an earlier collective fails with.
+std::string earlierCallText(const std::string& sender, uint64_t message, uint64_t receive);
 // Whether a receive of `expected` bytes (at most that many with `upTo`) takes a
 // message of `sent`, and what it fails with when not.
 inline bool receiveFits(size_t sent, size_t expected, bool upTo) { return upTo ? sent <= expected : sent == expected; }

@@ -561,6 +561,39 @@ void anotherCallFailsTheReceive() {
   expectInStep(transports, 9, "the connection stays in step after it");
 }
 
+// A message of an earlier collective (a lower sequence number, mod 2^32, in the same
+// tag space) fails the receive it meets, posted first or arrived first: its sender
+// was in a call this rank finished without it. A peer that is ahead (a later
+// collective's message waiting) fails nothing.
+void earlierCallFailsTheReceive() {
+  MemoryStore store(kStoreTimeout);
+  auto transports = mesh(2, store);
+  const uint64_t collective = 1ull << 63;
+  for (bool postedFirst : {true, false}) {
+    for (uint64_t seq : {uint64_t(20), uint64_t(0)}) {  // 0: the earlier one is 2^32 - 1
+      const uint64_t earlier = collective | ((seq - 1) & 0xffffffffull);
+      float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
+      auto [recv, send] = postAround(postedFirst, [&] { return transports[0]->irecv(1, collective | seq, buffer, sizeof(buffer)); },
+                                     [&] { return transports[1]->isend(0, earlier, sent, sizeof(sent)); });
+      expectFailed(recv, "rank 1 sent a message in collective #" + std::to_string((seq - 1) & 0xffffffffull) +
+                             " that this rank finished without it",
+                   std::string("a message of an earlier collective fails the receive (") +
+                       (postedFirst ? "posted first" : "unexpected") + ", seq " + std::to_string(seq) + ")");
+      expect(buffer[0] == 0, "and writes nothing into it");
+    }
+  }
+  // The peer is one collective ahead: its message waits for the receive that takes it.
+  float ahead[4] = {5, 6, 7, 8}, now[4] = {1, 2, 3, 4}, got[4] = {}, later[4] = {};
+  waitOk(transports[1]->isend(0, collective | 31, ahead, sizeof(ahead)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // arrived: unexpected
+  auto current = transports[0]->irecv(1, collective | 30, got, sizeof(got));
+  transports[1]->isend(0, collective | 30, now, sizeof(now));
+  auto next = transports[0]->irecv(1, collective | 31, later, sizeof(later));
+  expect(waitOk(current) && waitOk(next) && got[0] == 1 && later[0] == 5,
+         "a later collective's message fails nothing and is received in its turn");
+  expectInStep(transports, 9, "the connection stays in step after it");
+}
+
 void sizeMismatchIsReported() {
   MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
@@ -893,6 +926,7 @@ int main() {
   sizeMismatchIsReported();
   receivesUpToTheBufferSize();
   anotherCallFailsTheReceive();
+  earlierCallFailsTheReceive();
   emptyMessagesIntoNullBuffers();
   pendingCreditIsNamed();
   receivesPostedWhileTheMessageArrives();
