@@ -77,41 +77,6 @@ void copyBack(StagedState& s) {
   s.future->markCompleted(c10::IValue(s.deviceOutputs));
 }
 
-// The Work torch sees for a staged call.
-class StagedWork : public c10d::Work {
- public:
-  StagedWork(int rank, const char* op, c10::intrusive_ptr<c10d::Work> hostWork,
-             std::shared_ptr<StagedState> state)
-      : c10d::Work(rank, hostWork->retrieveOpType(), op),
-        hostWork_(std::move(hostWork)),
-        state_(std::move(state)) {}
-
-  bool isCompleted() override { return state_->future->completed(); }
-  bool isSuccess() const override {
-    return state_->future->completed() && !state_->future->hasError();
-  }
-  std::exception_ptr exception() const override {
-    return state_->future->completed() ? state_->future->exception_ptr() : nullptr;
-  }
-  std::vector<at::Tensor> result() override { return state_->deviceOutputs; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return state_->future; }
-  // A receive's source (the host Work raises torch's error for everything else).
-  int sourceRank() const override { return hostWork_->sourceRank(); }
-
-  // Host: until the CPU collective is done (its timeout and failures apply) and the
-  // copies back are enqueued. Device: the current stream waits for those copies.
-  bool wait(std::chrono::milliseconds timeout) override {
-    hostWork_->wait(timeout);
-    state_->future->wait();
-    if (state_->future->hasError()) std::rethrow_exception(state_->future->exception_ptr());
-    return true;
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Work> hostWork_;
-  std::shared_ptr<StagedState> state_;
-};
-
 // One call on CUDA tensors: the pinned host twins, the copy-in event on the
 // caller's stream, and the completion that copies the outputs back.
 class CudaStagedCall : public StagedCall {
@@ -162,7 +127,12 @@ class CudaStagedCall : public StagedCall {
         if (!state->future->completed()) state->future->setError(std::current_exception());
       }
     });
-    return c10::make_intrusive<StagedWork>(rank_, op_, std::move(hostWork), std::move(state));
+    // wait(): the host until the CPU collective is done and the copies back are
+    // enqueued; the device's current stream waits for those copies (the Future's events).
+    auto future = state->future;
+    auto outputs = state->deviceOutputs;
+    return c10::make_intrusive<StagedWork>(rank_, op_, std::move(hostWork), std::move(future),
+                                           std::move(outputs), std::move(state));
   }
 
  private:

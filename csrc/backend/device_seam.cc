@@ -35,6 +35,22 @@ std::vector<std::string> seamDevices() {
   return devices;
 }
 
+StagedWork::StagedWork(int rank, const char* op, c10::intrusive_ptr<c10d::Work> hostWork,
+                       c10::intrusive_ptr<c10::ivalue::Future> future, std::vector<at::Tensor> result,
+                       std::shared_ptr<void> keep)
+    : c10d::Work(rank, hostWork->retrieveOpType(), op),
+      hostWork_(std::move(hostWork)),
+      future_(std::move(future)),
+      result_(std::move(result)),
+      keep_(std::move(keep)) {}
+
+bool StagedWork::wait(std::chrono::milliseconds timeout) {
+  hostWork_->wait(timeout);
+  future_->wait();  // on a device: makes the current stream wait for the copies back
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+  return true;
+}
+
 void DeviceProbe::addNonCpu(const at::Tensor& t) {
   DeviceSeam* seam = deviceSeam(t.device().type());
   if (seam == nullptr) {

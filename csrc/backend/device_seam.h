@@ -73,6 +73,33 @@ class StagedCall {
   virtual c10::intrusive_ptr<c10d::Work> finish(c10::intrusive_ptr<c10d::Work> hostWork) = 0;
 };
 
+// The Work torch receives for a staged call: complete when `future` is, which the
+// seam completes once its copies back are done (or enqueued, on a device). wait()
+// waits for the CPU operation (its timeout and failures apply), then the future.
+// `keep` holds what the copies back need until the Work goes.
+class StagedWork : public c10d::Work {
+ public:
+  StagedWork(int rank, const char* op, c10::intrusive_ptr<c10d::Work> hostWork,
+             c10::intrusive_ptr<c10::ivalue::Future> future, std::vector<at::Tensor> result,
+             std::shared_ptr<void> keep);
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->completed() ? future_->exception_ptr() : nullptr;
+  }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // A receive's source (the host Work raises torch's error for everything else).
+  int sourceRank() const override { return hostWork_->sourceRank(); }
+  bool wait(std::chrono::milliseconds timeout) override;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> hostWork_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<at::Tensor> result_;
+  std::shared_ptr<void> keep_;
+};
+
 // What a device type does with a call on its tensors.
 class DeviceSeam {
  public:

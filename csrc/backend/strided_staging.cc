@@ -9,8 +9,8 @@
 //  2. the CPU collective runs on the twins and the contiguous tensors as they are,
 //     with the caller's asyncOp;
 //  3. when it completes, the output twins are copied back into the caller's
-//     tensors, before the Work torch holds reports completion (its wait() and its
-//     Future). A blocking call that ran to completion on the caller's thread
+//     tensors, before the StagedWork torch holds reports completion (its wait()
+//     and its Future). A blocking call that ran to completion on the caller's thread
 //     copies back there and returns no Work, as a CPU call does.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -40,41 +40,6 @@ struct StridedState {
     at::NoGradGuard noGrad;
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(outputTwins[i]);
   }
-};
-
-// The Work torch sees for a staged call: complete once the outputs are copied back.
-class StridedWork : public c10d::Work {
- public:
-  StridedWork(int rank, const char* op, c10::intrusive_ptr<c10d::Work> hostWork,
-              std::shared_ptr<StridedState> state)
-      : c10d::Work(rank, hostWork->retrieveOpType(), op),
-        hostWork_(std::move(hostWork)),
-        state_(std::move(state)) {}
-
-  bool isCompleted() override { return state_->future->completed(); }
-  bool isSuccess() const override {
-    return state_->future->completed() && !state_->future->hasError();
-  }
-  std::exception_ptr exception() const override {
-    return state_->future->completed() ? state_->future->exception_ptr() : nullptr;
-  }
-  std::vector<at::Tensor> result() override { return state_->result; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return state_->future; }
-  // A receive's source (the host Work raises torch's error for everything else).
-  int sourceRank() const override { return hostWork_->sourceRank(); }
-
-  // Until the CPU operation is done (its timeout and failures apply) and the
-  // outputs are back in the caller's tensors.
-  bool wait(std::chrono::milliseconds timeout) override {
-    hostWork_->wait(timeout);
-    state_->future->wait();
-    if (state_->future->hasError()) std::rethrow_exception(state_->future->exception_ptr());
-    return true;
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Work> hostWork_;
-  std::shared_ptr<StridedState> state_;
 };
 
 class StridedCall : public StagedCall {
@@ -116,7 +81,8 @@ class StridedCall : public StagedCall {
         if (!state->future->completed()) state->future->setError(std::current_exception());
       }
     });
-    return c10::make_intrusive<StridedWork>(rank_, op_, std::move(hostWork), state_);
+    return c10::make_intrusive<StagedWork>(rank_, op_, std::move(hostWork), state_->future, state_->result,
+                                           state_);
   }
 
  private:
