@@ -512,6 +512,18 @@ std::pair<RequestPtr, RequestPtr> postAround(bool postedFirst, const std::functi
   return {received, sent};
 }
 
+// Rank 1 sends 16 bytes on `sendTag` to a receive on `recvTag`, posted before or after
+// the message arrived: the receive fails with `text` and writes nothing.
+void expectRefused(std::vector<std::unique_ptr<TcpTransport>>& transports, bool postedFirst, uint64_t recvTag,
+                   uint64_t sendTag, const std::string& text, const std::string& what) {
+  float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
+  auto [recv, send] = postAround(postedFirst, [&] { return transports[0]->irecv(1, recvTag, buffer, sizeof(buffer)); },
+                                 [&] { return transports[1]->isend(0, sendTag, sent, sizeof(sent)); });
+  expectFailed(recv, text, what + (postedFirst ? " (posted first)" : " (unexpected)"));
+  expect(buffer[0] == 0, what + ": and writes nothing into it");
+  expect(waitOk(send), what + ": the send completes (`sent` is about to go)");
+}
+
 // irecv(..., upTo): a message of at most the buffer's size is received into its
 // start, posted before the message or after it arrived, striped or not; a larger one
 // fails like any size mismatch and the stream stays in step.
@@ -548,15 +560,9 @@ void anotherCallFailsTheReceive() {
   const uint64_t collective = 1ull << 63;
   for (bool postedFirst : {true, false}) {
     const uint64_t seq = postedFirst ? 7 : 8;
-    const uint64_t mine = collective | (uint64_t(0x1234) << kCallTagShift) | seq;
-    const uint64_t theirs = collective | (uint64_t(0x4321) << kCallTagShift) | seq;
-    float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
-    auto [recv, send] = postAround(postedFirst, [&] { return transports[0]->irecv(1, mine, buffer, sizeof(buffer)); },
-                                   [&] { return transports[1]->isend(0, theirs, sent, sizeof(sent)); });
-    expectFailed(recv, "rank 1 is in another call at this collective",
-                 std::string("a message of another call fails the receive (") +
-                     (postedFirst ? "posted first" : "unexpected") + ")");
-    expect(buffer[0] == 0, "and writes nothing into it");
+    expectRefused(transports, postedFirst, collective | (uint64_t(0x1234) << kCallTagShift) | seq,
+                  collective | (uint64_t(0x4321) << kCallTagShift) | seq,
+                  "rank 1 is in another call at this collective", "a message of another call fails the receive");
   }
   expectInStep(transports, 9, "the connection stays in step after it");
 }
@@ -571,15 +577,10 @@ void earlierCallFailsTheReceive() {
   const uint64_t collective = 1ull << 63;
   for (bool postedFirst : {true, false}) {
     for (uint64_t seq : {uint64_t(20), uint64_t(0)}) {  // 0: the earlier one is 2^32 - 1
-      const uint64_t earlier = collective | ((seq - 1) & 0xffffffffull);
-      float buffer[4] = {}, sent[4] = {1, 2, 3, 4};
-      auto [recv, send] = postAround(postedFirst, [&] { return transports[0]->irecv(1, collective | seq, buffer, sizeof(buffer)); },
-                                     [&] { return transports[1]->isend(0, earlier, sent, sizeof(sent)); });
-      expectFailed(recv, "rank 1 sent a message in collective #" + std::to_string((seq - 1) & 0xffffffffull) +
-                             " that this rank finished without it",
-                   std::string("a message of an earlier collective fails the receive (") +
-                       (postedFirst ? "posted first" : "unexpected") + ", seq " + std::to_string(seq) + ")");
-      expect(buffer[0] == 0, "and writes nothing into it");
+      const uint64_t earlier = (seq - 1) & 0xffffffffull;
+      expectRefused(transports, postedFirst, collective | seq, collective | earlier,
+                    "rank 1 sent a message in collective #" + std::to_string(earlier) + " that this rank finished without it",
+                    "a message of an earlier collective fails the receive (seq " + std::to_string(seq) + ")");
     }
   }
   // The peer is one collective ahead: its message waits for the receive that takes it.
