@@ -9,8 +9,9 @@ namespace {
 // A wait polls the request this long (yielding the core between looks) before it
 // sleeps on the condition variable. A message's completion on the TCP I/O thread
 // then reaches a waiter that is awake, without a second thread wake-up: on the
-// 2-core VM a wake-up costs 50-100 us, and an 8-byte round trip of send/recv took
-// 180-250 us with two of them per message. Bounded, and yielding, so an
+// 2-core VM an 8-byte round trip of send/recv took 168-241 us with two wake-ups
+// per message and 69-142 us with one (benchmarks/results/p2p_latency.txt), so
+// about 50 us per wake-up. Bounded, and yielding, so an
 // oversubscribed host loses little: a long wait still sleeps after it. Not done in
 // waits for the group's worker (PycommWork::wait, the worker's queue): there the
 // waited-for thread computes, and a poller on its core made four queued 256 KiB
