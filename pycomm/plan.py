@@ -39,6 +39,7 @@ import math
 import os
 import socket
 import sys
+import statistics
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -271,6 +272,21 @@ def _fit_regimes(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
     return a, max(num / den, 0.0)
 
 
+CALIBRATION_ROUNDS = 3  # sweeps per calibration, each size's median kept
+
+
+def _median_points(runs: Sequence[Sequence[Tuple[float, float]]]) -> List[Tuple[float, float]]:
+    """(bytes, seconds) per size: the median over ``runs`` of the same sweep (sizes
+    missing from a run count from the others). One sweep on a shared machine moves by
+    up to a third from one minute to the next; the median of three is what a fit of
+    one line through a handful of sizes needs to stay put."""
+    by_size: Dict[float, List[float]] = {}
+    for run in runs:
+        for size, seconds in run:
+            by_size.setdefault(size, []).append(seconds)
+    return [(size, statistics.median(times)) for size, times in sorted(by_size.items())]
+
+
 def _sweep(algo: str, transport: str, max_bytes: int, iters: int, sockets: int = 1,
            min_bytes: int = 8) -> List[Tuple[float, float]]:
     """(bytes, seconds) of pycomm's 2-rank all-reduce with ``algo`` over ``transport``
@@ -356,17 +372,19 @@ def _hook_rows(iters: int = 3) -> List[dict]:
         return run_benchmark(cfg).rows
 
 
-def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True) -> dict:
+def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
+              rounds: int = CALIBRATION_ROUNDS) -> dict:
     """Measure this host's constants (2 ranks); returns the calibration (model, codec,
-    the measured points). Over TCP loopback no link limits a byte, the CPU does: beta is
-    0 and the ring's time per byte is cpu_beta (plus gamma/2)."""
+    the measured points: each size's median over ``rounds`` sweeps). Over TCP loopback
+    no link limits a byte, the CPU does: beta is 0 and the ring's time per byte is
+    cpu_beta (plus gamma/2)."""
     gamma, _ = _kernel_costs()
     codec = _hook_costs(_hook_rows())
     # 2-rank ring (allreduce_registry.cc), beta 0: 2 alpha + S cpu_beta + S/2 gamma.
-    tcp = _sweep("ring", "tcp", max_bytes, iters)
+    tcp = _median_points([_sweep("ring", "tcp", max_bytes, iters) for _ in range(rounds)])
     a, b = _fit_regimes(tcp)
     # 2-rank shm: 2 shm_alpha + S shm_beta + S/2 gamma.
-    shm = _sweep("shm", "auto", max_bytes, iters)
+    shm = _median_points([_sweep("shm", "auto", max_bytes, iters) for _ in range(rounds)])
     sa, sb = _fit_regimes(shm)
     model = {"alpha": max(a / 2.0, 1e-7), "beta": 0.0, "gamma": gamma, "delta": DEFAULT_MODEL["delta"],
              "shm_alpha": max(sa / 2.0, 1e-8), "shm_beta": max(sb - gamma / 2.0, 1e-13),
@@ -631,16 +649,18 @@ def _host_rows(hosts: int, rate: Optional[str], algos: Sequence[str], min_bytes:
 
 
 def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
-                    hook_max_bytes: int = 64 << 20) -> dict:
+                    hook_max_bytes: int = 64 << 20, rounds: int = CALIBRATION_ROUNDS) -> dict:
     """The namespace path's constants (veth + bridge, no rate): pycomm's 2-host ring
-    from 8 B, fitted as calibrate() fits loopback (beta 0, the CPU is the limit); the
+    from 8 B (each size's median over ``rounds`` sweeps), fitted as calibrate() fits
+    loopback (beta 0, the CPU is the limit); the
     shared-memory constants and delta from this host's calibration (or the built-in);
     the compressed hooks' own work per byte over the same path (2 hosts, 1 MiB to
     ``hook_max_bytes``)."""
     gamma, _ = _kernel_costs()
     codec = _hook_costs(_host_rows(2, None, tuple(HOOK_COLUMNS), 1 << 20, max(hook_max_bytes, 4 << 20), 3, 1))
-    points = [(float(row["size_bytes"]), row["time_us"] * 1e-6)
-              for row in _host_rows(2, None, ("ring",), 8, max_bytes, iters, 3)]
+    points = _median_points([[(float(row["size_bytes"]), row["time_us"] * 1e-6)
+                              for row in _host_rows(2, None, ("ring",), 8, max_bytes, iters, 3)]
+                             for _ in range(rounds)])
     a, b = _fit_regimes(points)
     path = cost_cache_path()
     base = read_cost_model(path) if os.path.exists(path) else dict(DEFAULT_MODEL)

@@ -244,6 +244,24 @@ def test_fit_line_recovers_constants():
     assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
 
 
+def test_calibration_keeps_each_sizes_median_over_rounds():
+    # One slow sweep (a neighbour's burst) must not move the fit: the median per size
+    # ignores it, where the mean of the same three would be 40% off at 16 MiB.
+    a, b = 60e-6, 1e-9
+    sizes = (8.0, 1024.0, float(1 << 20), float(1 << 22), float(1 << 24))
+    clean = [(s, a + b * s) for s in sizes]
+    slow = [(s, 2.2 * t) for s, t in clean]
+    fast = [(s, 0.95 * t) for s, t in clean]
+    points = plan._median_points([clean, slow, fast[:-1]])  # a sweep may lack its last size
+    assert [s for s, _ in points] == list(sizes)
+    assert points[0][1] == pytest.approx(clean[0][1]) and points[-1][1] == pytest.approx(1.6 * clean[-1][1])
+    points = plan._median_points([clean, slow, fast])
+    assert points == [(s, t) for s, t in clean]
+    fa, fb = plan._fit_regimes(points)  # alpha from the small sizes' median, 1024 B here
+    assert fa == pytest.approx(a, rel=0.02) and fb == pytest.approx(b, rel=0.01)
+    assert plan.CALIBRATION_ROUNDS >= 3
+
+
 def test_cli_predicts_without_a_calibration(tmp_path):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "pycomm.plan", "--hosts", "2", "--ranks-per-host", "2",
