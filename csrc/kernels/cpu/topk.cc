@@ -9,6 +9,7 @@
 #include "kernels/cpu/topk.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -223,22 +224,22 @@ std::vector<uint64_t> keyHistogram(const float* g, float* x, size_t n) {
 constexpr size_t kExactSampleMax = 4096;
 constexpr size_t kExactSampledMinCount = 8192;
 
-void collectZeros(const float* x, size_t n, size_t quota, std::vector<int64_t>& out);
+void collectKey(const float* x, size_t n, int32_t key, size_t quota, std::vector<int64_t>& out);
 
-// The hits and the zeros at `zeros` (both in index order) merged in index order into
-// indices/values; returns how many were written.
-size_t mergeWithZeros(const Hits& hits, const std::vector<int64_t>& zeros, const float* data, int64_t* indices,
-                      float* values) {
-  size_t out = 0, a = 0, z = 0;
-  while (a < hits.size() || z < zeros.size()) {
-    if (z == zeros.size() || (a < hits.size() && hits.index[a] < zeros[z])) {
+// The hits and the elements of data at `ties` (both in index order) merged in index
+// order into indices/values; returns how many were written.
+size_t mergeByIndex(const Hits& hits, const std::vector<int64_t>& ties, const float* data, int64_t* indices,
+                    float* values) {
+  size_t out = 0, a = 0, t = 0;
+  while (a < hits.size() || t < ties.size()) {
+    if (t == ties.size() || (a < hits.size() && hits.index[a] < ties[t])) {
       indices[out] = hits.index[a];
       values[out] = hits.value[a];
       ++a;
     } else {
-      indices[out] = zeros[z];
-      values[out] = data[zeros[z]];
-      ++z;
+      indices[out] = ties[t];
+      values[out] = data[ties[t]];
+      ++t;
     }
     ++out;
   }
@@ -259,8 +260,31 @@ void exactAmongZeros(const float* x, size_t n, size_t k, int64_t* indices, float
     return;
   }
   std::vector<int64_t> zeros;
-  collectZeros(x, n, k - hits.size(), zeros);  // n - nonzero >= k - nonzero zeros exist
-  mergeWithZeros(hits, zeros, x, indices, values);
+  collectKey(x, n, 0, k - hits.size(), zeros);  // n - nonzero >= k - nonzero zeros exist
+  mergeByIndex(hits, zeros, x, indices, values);
+}
+
+// Whether the sample says that the keys equal to `bound` alone would be about k or
+// more of the n elements (each sampled key stands for `stride` of them): sign-like or
+// few-level data, a constant buffer. Collecting every key >= bound would then take all
+// of them (a constant buffer: the whole of it, 10-15x the usual selection's time), where
+// at most k of them can be kept. NaN's largest key has no key above it: never.
+bool tiedAtBound(const std::vector<int32_t>& sample, int32_t bound, size_t stride, size_t k) {
+  if (bound == INT32_MAX) return false;
+  size_t equal = 0;
+  for (int32_t key : sample) equal += key == bound ? 1 : 0;
+  return equal * stride >= k;
+}
+
+// Elements above `bound` into `above` (from src; with e, the data is src + e, written to
+// e in the same pass), then, if they are fewer than `want`, the first `want - above`
+// elements (by index) whose key equals bound into `ties`. Returns the data read.
+const float* collectAboveThenTies(const float* src, float* e, size_t n, int32_t bound, size_t want, Hits& above,
+                                  std::vector<int64_t>& ties) {
+  collectAtLeast(src, e, n, bound + 1, above);
+  const float* data = e != nullptr ? e : src;
+  if (above.size() < want) collectKey(data, n, bound, want - above.size(), ties);
+  return data;
 }
 
 // The exact selection over x[0, n). With g != nullptr, x is e, and e <- g + e first
@@ -288,7 +312,23 @@ void exactImpl(const float* x, size_t n, size_t k, int64_t* indices, float* valu
     const size_t r = std::min(m, static_cast<size_t>(std::ceil(2.0 * double(m) * double(k) / double(n))) + 8);
     std::nth_element(sample.begin(), sample.begin() + (r - 1), sample.end(), std::greater<int32_t>());
     const int32_t bound = sample[r - 1];
-    if (bound > 0) {  // a zero bound would collect every zero
+    if (bound > 0 && tiedAtBound(sample, bound, stride, k)) {
+      // The k largest are every key above the bound and, if those are fewer than k, the
+      // lowest-index keys equal to it (when enough exist; else the k-th key is lower).
+      Hits above;
+      std::vector<int64_t> ties;
+      const float* data = collectAboveThenTies(g != nullptr ? g : x, g != nullptr ? e : nullptr, n, bound, k,
+                                               above, ties);
+      if (above.size() >= k) {
+        selectFromHits(above, k, indices, values);
+        return;
+      }
+      if (above.size() + ties.size() == k) {
+        mergeByIndex(above, ties, data, indices, values);
+        return;
+      }
+      g = nullptr;  // the k-th key is below the bound (rare): e holds g + e now
+    } else if (bound > 0) {  // a zero bound would collect every zero
       Hits hits;
       hits.index.reserve(r * stride + r * stride / 4 + 64);
       hits.value.reserve(r * stride + r * stride / 4 + 64);
@@ -317,10 +357,10 @@ void exactImpl(const float* x, size_t n, size_t k, int64_t* indices, float* valu
   selectFromHits(hits, k, indices, values);
 }
 
-// First `quota` indices (in order) whose element is +-0.
-void collectZeros(const float* x, size_t n, size_t quota, std::vector<int64_t>& out) {
+// First `quota` indices (in order) whose element's key is `key` (0: +-0).
+void collectKey(const float* x, size_t n, int32_t key, size_t quota, std::vector<int64_t>& out) {
   for (size_t i = 0; i < n && out.size() < quota; ++i)
-    if (keyOf(x[i]) == 0) out.push_back(static_cast<int64_t>(i));
+    if (keyOf(x[i]) == key) out.push_back(static_cast<int64_t>(i));
 }
 
 constexpr size_t kSampleMin = 65536;
@@ -367,6 +407,31 @@ size_t approxImpl(const float* x, float* e, size_t n, size_t k, uint64_t seed, i
   const int32_t threshold = sample[rank - 1];
   stats.sampleSize = m;
   stats.threshold = magnitudeOf(threshold);
+
+  if (threshold > 0 && tiedAtBound(sample, threshold, stride, k)) {
+    // Most of the band would be ties at the threshold: keep those above it and fill up
+    // to k with the lowest-index ties, without collecting every tie first.
+    Hits above;
+    std::vector<int64_t> ties;
+    const float* data = collectAboveThenTies(x, e, n, threshold, k, above, ties);
+    if (above.size() > hi) {
+      stats.path = TopkPath::kTrimmed;
+      selectFromHits(above, k, indices, values);
+      return k;
+    }
+    if (above.size() >= lo) {
+      stats.path = TopkPath::kOnePass;
+      std::copy(above.index.begin(), above.index.end(), indices);
+      std::copy(above.value.begin(), above.value.end(), values);
+      return above.size();
+    }
+    if (above.size() + ties.size() >= lo) {
+      stats.path = TopkPath::kTieFill;
+      return mergeByIndex(above, ties, data, indices, values);
+    }
+    stats.path = TopkPath::kFallback;
+    return exactOnData(data);
+  }
 
   // The one pass: everything >= threshold (> 0 when the threshold is 0, so that a
   // mostly-zero gradient does not collect its zeros).
@@ -418,10 +483,10 @@ size_t approxImpl(const float* x, float* e, size_t n, size_t k, uint64_t seed, i
   if (threshold == 0) {
     std::vector<int64_t> zeros;
     zeros.reserve(quota);
-    collectZeros(data, n, quota, zeros);
+    collectKey(data, n, 0, quota, zeros);
     if (above + zeros.size() >= lo) {
       stats.path = TopkPath::kTieFill;
-      return mergeWithZeros(hits, zeros, data, indices, values);
+      return mergeByIndex(hits, zeros, data, indices, values);
     }
   }
   stats.path = TopkPath::kFallback;

@@ -9,7 +9,11 @@
 //                 |x|. Ties at the k-th magnitude are broken by lowest index.
 //                 A bound from a strided sample of 4096 keys (about twice k of
 //                 them reach it), one pass collecting the elements at or above
-//                 it, then an exact selection among those. When fewer than k
+//                 it, then an exact selection among those. When the sample says
+//                 the keys equal to the bound alone are about k or more (sign-like
+//                 or few-level data, a constant buffer), the pass collects only the
+//                 keys above it and a second one the lowest-index keys equal to it,
+//                 as many as k needs. When fewer than k
 //                 reach the bound (rare), radix select: one histogram pass over
 //                 the top 12 bits of |x|, one pass collecting the elements in or
 //                 above the k-th bin, then an exact selection among those.
@@ -21,7 +25,9 @@
 //                 jitter, drawn from a counter-based hash of the seed), then one
 //                 pass selecting |x| > threshold. The band is enforced, not hoped
 //                 for: too many -> exact selection among the few candidates; too
-//                 few -> fill with elements equal to the threshold; still too few
+//                 few -> fill with elements equal to the threshold (lowest index
+//                 first; with heavy ties in the sample, the pass collects only the
+//                 keys above the threshold, as in exact mode); still too few
 //                 (rare) -> exact selection. Inputs below kTopkApproxMinCount
 //                 elements use the exact mode.
 #pragma once
