@@ -901,6 +901,94 @@ def sec_non_contiguous(ctx, chk, full):
     both("all_gather of an expand()ed input", expanded_input, exact=True)
 
 
+def sec_staged_order(ctx, chk, full):
+    """Calls that stage copies (non-contiguous tensors; all-to-all whose input is its
+    output) keep the queue order, as contiguous calls do: an async call reads what the
+    calls queued before it wrote, and a call queued after it (a barrier) finds its
+    results in the caller's tensors; copies back also reach inference tensors, and
+    overlapping outputs of one list are written in list order. Closed form reference.
+    (The seam copied inputs at the call and outputs back on the completion pool: two
+    async all-reduces on x and x.T gave 2, 3 or 4 for 4, and a barrier returned before
+    x.T's result was in x.)"""
+    w, r = ctx.world_size, ctx.rank
+    n = 1 << 18
+    for first, second in (("T", "T"), ("contiguous", "T"), ("T", "contiguous")):
+        what = f"async all_reduce on {first} then on {second} of one buffer"
+        chk.note(what)
+        view = {"T": lambda b: b.t(), "contiguous": lambda b: b}
+        base = torch.ones(2, n)
+
+        def two():
+            works = [dist.all_reduce(view[first](base), async_op=True),
+                     dist.all_reduce(view[second](base), async_op=True)]
+            for work in works:
+                work.wait()
+        if chk.call(what, two):
+            chk.compare(what, base, torch.full((2, n), float(w * w)), exact=True)
+
+    what = "async all_reduce on x.T, then a barrier, then x without wait()"
+    chk.note(what)
+    stale = []
+
+    def after_barrier():
+        works = []
+        for i in range(20):
+            base = torch.ones(64, 64)
+            works.append(dist.all_reduce(base.t(), async_op=True))
+            dist.barrier()
+            if not bool((base == w).all()):
+                stale.append(i)
+        for work in works:
+            work.wait()
+    if chk.call(what, after_barrier) and stale:
+        chk.fail(what, f"x not yet written after the barrier in iterations {stale}")
+
+    what = "async all_reduce then async all_to_all_single(t, t) on it"
+    chk.note(what)
+    t = torch.arange(w * 1000, dtype=torch.float64) + 10_000 * r
+    # t after the all-reduce: w * arange + 10_000 * (0 + ... + w - 1); block j goes to rank j
+    summed = w * torch.arange(w * 1000, dtype=torch.float64) + 10_000 * (w * (w - 1) // 2)
+    exp = torch.cat([summed[r * 1000:(r + 1) * 1000]] * w)
+
+    def reduce_then_exchange():
+        works = [dist.all_reduce(t, async_op=True), dist.all_to_all_single(t, t, async_op=True)]
+        for work in works:
+            work.wait()
+    if chk.call(what, reduce_then_exchange):
+        chk.compare(what, t, exp, exact=True)
+
+    for how in ("blocking inside inference_mode", "async inside inference_mode",
+                "blocking outside inference_mode on an inference tensor"):
+        what = f"all_reduce on x.T, {how}"
+        chk.note(what)
+        box = []
+
+        def inference():
+            with torch.inference_mode():
+                base = torch.ones(3, 5)
+                if how.startswith("async"):
+                    dist.all_reduce(base.t(), async_op=True).wait()
+                elif how.endswith("inside inference_mode"):
+                    dist.all_reduce(base.t())
+            if how.endswith("inference tensor"):
+                dist.all_reduce(base.t())
+            box.append(base.clone())
+        if chk.call(what, inference):
+            chk.compare(what, box[0], torch.full((3, 5), float(w)), exact=True)
+
+    for order in ("column, row", "row, column"):
+        what = f"all_gather into overlapping outputs ({order})"
+        chk.note(what)
+        buf = torch.zeros(3, 3)
+        outs = [buf[:, 0], buf[0, :]] if order == "column, row" else [buf[0, :], buf[:, 0]]
+        exp = torch.zeros(3, 3)
+        for j, o in enumerate([exp[:, 0], exp[0, :]] if order == "column, row" else [exp[0, :], exp[:, 0]]):
+            o.fill_(float(j + 1))  # output j holds rank j's tensor; the later output wins
+        outs += [torch.empty(3) for _ in range(w - 2)]  # ranks 2.. land apart
+        if chk.call(what, lambda: dist.all_gather(outs, torch.full((3,), float(r + 1)))):
+            chk.compare(what, buf, exp, exact=True)
+
+
 def sec_all_to_all_in_place(ctx, chk, full):
     """all_to_all_single(t, t) and all_to_all with outputs that are the inputs in
     another order: the inputs are read from a copy. Closed form reference (gloo,
@@ -1192,13 +1280,14 @@ SECTIONS = {
     "p2p": sec_p2p,
     "non_contiguous": sec_non_contiguous,
     "all_to_all_in_place": sec_all_to_all_in_place,
+    "staged_order": sec_staged_order,
     "coalesced": sec_coalesced,
     "async": sec_async,
     "subgroups": sec_subgroups,
     "reinit": sec_reinit,  # must stay last: it destroys the groups
 }
 SECTIONS_W4 = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "all_to_all_in_place", "p2p", "subgroups"]
+               "all_to_all_single", "all_to_all_in_place", "staged_order", "p2p", "subgroups"]
 
 
 def collectives_worker(ctx, sections, full):

@@ -45,6 +45,13 @@ def _observe_worker(ctx):
         dist.barrier()
     out["wrapped"] = (first, pycomm.flight_recorder())
 
+    # A non-contiguous tensor goes through the strided seam: still one event per call
+    # (its Work once began an "allreduce" event of c10d::Work's that nothing ended).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(8, 4).t(), async_op=True).wait()
+        dist.all_reduce(torch.ones(8, 4).t())
+    out["strided_events"] = sorted(e.name for e in prof.events() if e.name in ("allreduce", "pycomm:allreduce"))
+
     # comm_summary: known calls after a reset.
     pycomm.reset_stats()
     for _ in range(3):
@@ -96,6 +103,7 @@ def test_profiler_recorder_and_summary(transport):
         assert len(wrapped) == 256  # a fixed ring
         assert [c["seq"] for c in wrapped] == list(range(first + 300 - 256, first + 300))
         assert all(c["op"] == "barrier" for c in wrapped)
+        assert out["strided_events"] == ["pycomm:allreduce"] * 2, out["strided_events"]
 
         # ---- comm_summary: counts and bytes per op and size bucket
         rows, text = out["summary"]

@@ -1,6 +1,16 @@
 // Collective algorithms over any Transport (see comm.h). Buffers are raw
 // pointers; counts are in elements unless a name says bytes. Every rank of the
 // group calls the same function with matching arguments.
+//
+// Rule for every algorithm here: each message a rank sends in a collective is
+// received in that collective (a receive posted and waited on before the call
+// returns, 0-byte messages and flow-control credits included), and a rank posts
+// collective receives only for the collective it runs. The TCP transport relies on
+// it: a message of an earlier collective that meets a later receive fails it
+// (transport.h earlierCall), so an algorithm that leaves a message unreceived (an
+// early exit, a cancelled or first-arrival receive) would fail the next call. One
+// Comm (one sequence counter) per tag space of a transport; a view such as the
+// hierarchical leaders' SubTransport takes a tag bit of its own.
 #pragma once
 
 #include <cstddef>

@@ -108,7 +108,7 @@ class CudaStagedCall : public StagedCall {
 
   // Always queued: the worker waits on the copy-in event, never the caller.
   Launch launch(bool) override {
-    return Launch{true, [event = copiedIn_] { event->hostWait(); }};
+    return Launch{true, [event = copiedIn_] { event->hostWait(); }, /*workOptional=*/false, /*afterBody=*/{}};
   }
 
   c10::intrusive_ptr<c10d::Work> finish(c10::intrusive_ptr<c10d::Work> hostWork) override {

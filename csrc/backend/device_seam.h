@@ -10,7 +10,8 @@
 //    no allocation. The CPU checks in the body reject what is not on the CPU;
 //  * on the CPU with a strided tensor that is not contiguous among them (as gloo
 //    takes them), goes through the strided CPU seam (strided_staging.cc): those
-//    tensors are staged into contiguous copies, the outputs copied back at the end;
+//    tensors are staged into contiguous copies, the outputs copied back at the end
+//    (for a queued call both on the thread that runs it, in queue order);
 //  * on a device type with a seam (CUDA in the CUDA build: cuda_staging.h), asks
 //    the seam to stage the call: the seam gives one host tensor per declared
 //    tensor (which the body runs on), a Launch for enqueue (asyncOp forced where
@@ -44,14 +45,20 @@ enum class Dispatch : uint8_t { kQueued, kDirect };
 // How ProcessGroupPycomm::enqueue runs a call's body.
 struct Launch {
   bool asyncOp = false;
-  // Run on the worker right before the body (empty: nothing). A seam's wait for
-  // the data it staged; a failure there fails the call like the body's own.
+  // Run right before the body, on the thread that runs it (the worker, or the caller
+  // for a blocking call run inline), in queue order (empty: nothing). A seam's wait
+  // for the data it staged, or its copies in; a failure there fails the call like the
+  // body's own.
   std::function<void()> beforeBody;
   // The caller takes no Work from a blocking call that ran to completion on its own
   // thread: enqueue may return none (a failure is thrown instead). torch's frontend
   // (dist.all_reduce and the rest) calls wait() only on a Work it got. Set by
   // runOnDevice for CPU tensors only: a seam wraps the CPU operation's Work.
   bool workOptional = false;
+  // Run right after the body succeeds, on the same thread, before the call's Work
+  // reports completion and before the next queued call starts (empty: nothing). The
+  // strided seam's copies back.
+  std::function<void()> afterBody;
 };
 
 // One declared tensor of a staged call, in declaration order.
@@ -234,7 +241,8 @@ c10::intrusive_ptr<c10d::Work> runOnDevice(const char* op, int rank, Dispatch di
         DeviceProbe probe(op);
         (probe.add(d.tensors), ...);
         DeviceSeam* seam = probe.seam();
-        if (seam == nullptr) return body(Launch{asyncOp, {}, /*workOptional=*/true}, d.tensors...);
+        if (seam == nullptr)
+          return body(Launch{asyncOp, {}, /*workOptional=*/true, /*afterBody=*/{}}, d.tensors...);
         std::vector<DeclaredTensor> flat;
         (seam_detail::flatten(flat, d.role, d.tensors), ...);
         std::unique_ptr<StagedCall> call = seam->stage(op, rank, probe.device(), dispatch, flat);

@@ -31,8 +31,9 @@ char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 // The inputs of an all-to-all as it may read them while writing `outputs`: an input
 // that shares memory with an output (all_to_all_single(t, t), or an output list made
-// of the input tensors) is read from a copy taken now, since its blocks are sent
-// while other ranks' blocks land in the outputs. The rest are the caller's tensors.
+// of the input tensors) is read from a copy taken now (in the body, when the call's
+// turn has come), since its blocks are sent while other ranks' blocks land in the
+// outputs. The rest are the caller's tensors.
 std::vector<at::Tensor> readableWhileWriting(const std::vector<at::Tensor>& inputs,
                                              const std::vector<at::Tensor>& outputs) {
   std::unordered_multimap<const c10::StorageImpl*, const at::Tensor*> written;
@@ -254,6 +255,7 @@ std::exception_ptr ProcessGroupPycomm::runTask(Task& task, bool inline_) {
       comm_->setCall(callHash(task.signature));  // after the check, which names both calls
       if (task.beforeBody) task.beforeBody();
       task.body(*comm_);
+      if (task.afterBody) task.afterBody();
     } catch (const Error& e) {
       std::string message = e.what();
       ended = Clock::now();
@@ -325,7 +327,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(const char* op, OpTyp
          {"group_size", c10::IValue(static_cast<int64_t>(getSize()))},
          {"async_op", c10::IValue(asyncOp)}});
   }
-  Task task{op, launch.beforeBody, std::move(body), work, effectiveTimeout(timeout), signature, 0, bytes};
+  Task task{op, launch.beforeBody, std::move(body), launch.afterBody, work, effectiveTimeout(timeout), signature,
+            0, bytes};
   {
     std::unique_lock<std::mutex> lock(queueMutex_);
     if (stopping_) usageError(where(op) + "the process group was shut down");
@@ -836,11 +839,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
     if (sendBytes[getRank()] != recvBytes[getRank()])
       usageError(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
             " bytes but expects " + std::to_string(recvBytes[getRank()]));
-    at::Tensor out = output;
-    const at::Tensor in = readableWhileWriting({input}, {output})[0];
+    at::Tensor out = output, input_ = input;
     return enqueue("alltoall", OpType::ALLTOALL_BASE, {output},
-                   [in, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
+                   [input_, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
                     recvOffsets = recvOffsets, recvBytes = recvBytes](Comm& c) {
+                     // Copied here, in queue order: a call queued before this one may
+                     // still be writing the input.
+                     const at::Tensor in = readableWhileWriting({input_}, {out})[0];
                      std::vector<const char*> sends;
                      std::vector<char*> recvs;
                      for (int i = 0; i < c.size(); ++i) {
@@ -872,9 +877,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
     }
     if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
       usageError(where(name) + "the tensor this rank sends itself differs in size from its output slot");
-    Tensors ins = readableWhileWriting(inputs, outputs), outs = outputs;
+    Tensors inputs_ = inputs, outs = outputs;
     return enqueue(name, OpType::ALLTOALL, outs,
-                   [ins, outs](Comm& c) {
+                   [inputs_, outs](Comm& c) {
+                     const Tensors ins = readableWhileWriting(inputs_, outs);  // in queue order
                      std::vector<const char*> sends;
                      std::vector<char*> recvs;
                      std::vector<size_t> sendBytes, recvBytes;
@@ -895,7 +901,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOp
   // No tensors: nothing for a device seam to stage, and a blocking barrier may
   // return no Work, as the CPU calls of runOnDevice do.
   return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { pycomm::barrier(c); },
-                 opts.timeout, Launch{opts.asyncOp, {}, /*workOptional=*/true},
+                 opts.timeout, Launch{opts.asyncOp, {}, /*workOptional=*/true, /*afterBody=*/{}},
                  signature("barrier"));
 }
 

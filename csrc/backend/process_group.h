@@ -153,7 +153,8 @@ class ProcessGroupPycomm : public c10d::Backend {
                                               const Launch& launch);
 
   using Body = std::function<void(Comm&)>;
-  // Queues `body` for the worker (`launch.beforeBody` first), or runs it inline for a
+  // Queues `body` for the worker (`launch.beforeBody` first, `launch.afterBody` after
+  // it succeeds, both before the work completes), or runs it inline for a
   // blocking call with nothing queued; the returned work completes with `outputs`.
   // An inline call with `launch.workOptional` returns no work (nullptr), unless
   // the profiler records or torch registers in-flight works (a failure throws).
@@ -175,6 +176,7 @@ class ProcessGroupPycomm : public c10d::Backend {
     std::string op;
     std::function<void()> beforeBody;  // a device seam's step (empty: none)
     Body body;
+    std::function<void()> afterBody;   // a device seam's step after a body that succeeded
     c10::intrusive_ptr<PycommWork> work;
     std::chrono::milliseconds timeout;
     CallSignature signature;
