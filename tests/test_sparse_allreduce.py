@@ -113,13 +113,35 @@ def sparse_worker(ctx):
         except ValueError as e:
             if "pycomm allreduce" not in str(e) or "SUM" not in str(e):
                 problems.append(f"{op}: unexpected message {e}")
-    # complex: torch hands the backend view_as_real (one more dense dimension)
-    c = torch.sparse_coo_tensor(t._indices(), torch.complex(t._values(), -2 * t._values()), t.shape)
-    mine, ref = c.clone(), c.clone()
-    dist.all_reduce(mine)
-    dist.all_reduce(ref, group=ctx.ref)
-    if mine.dtype != torch.complex64 or not torch.equal(mine.to_dense(), ref.to_dense()):
-        problems.append("complex64: differs from gloo")
+    # complex: torch hands the backend view_as_real (one more dense dimension), a new
+    # tensor, so the caller's tensor stays as it was (gloo too); the Future holds the sum
+    def complex_of(q):
+        v = make_sparse(q, (10, 2), 1, 3, torch.float32, 0)
+        return torch.sparse_coo_tensor(v._indices(), torch.complex(v._values(), -2 * v._values()), v.shape,
+                                       check_invariants=True)
+
+    got = dist.all_reduce(complex_of(r), async_op=True).get_future().wait()[0].to_dense()
+    got = got if got.is_complex() else torch.view_as_complex(got)
+    if not torch.equal(got, total(complex_of(q) for q in range(w)).to_dense()):
+        problems.append("complex64: the Future's value is not the sum")
+    # PREMUL_SUM (torch's _make_nccl_premul_sum; gloo refuses it): the factor times the sum
+    t = make_sparse(r, (20, 3), 1, 6, torch.float64, 5)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.5))
+    check("PREMUL_SUM 2.5", t, 2.5 * total(make_sparse(q, (20, 3), 1, 6, torch.float64, 5) for q in range(w)))
+    try:
+        dist.all_reduce(make_sparse(r, (20, 3), 1, 6, torch.int64, 5), op=dist._make_nccl_premul_sum(2.0))
+        problems.append("PREMUL_SUM on int64: no error")
+    except ValueError as e:
+        if "PREMUL_SUM" not in str(e):
+            problems.append(f"PREMUL_SUM on int64: unexpected message {e}")
+    # an index space up to torch's limit, 2^63 - 1 rows (gloo takes it too)
+    for size in ((1 << 63) - 1, (1 << 62) + 5):
+        idx = torch.tensor([[0, size - 1, (1 << 61) + r, size // 2]])
+        t = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0, 3.0, 4.0]) * (r + 1), (size,), check_invariants=True)
+        mine, ref = t.clone(), t.clone()
+        dist.all_reduce(mine)
+        dist.all_reduce(ref, group=ctx.ref)
+        check(f"{size} rows", mine, ref)
     x = torch.full((4,), float(r))
     dist.all_reduce(x)
     if not torch.equal(x, torch.full((4,), float(w * (w - 1) // 2))):
@@ -136,8 +158,20 @@ def test_sparse_allreduce_matches_gloo(world, transport):
     assert not problems, "\n".join(problems)
 
 
-def mismatch_worker(ctx):
-    t = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 4 + ctx.rank), (10, 4 + ctx.rank))
+MISMATCHES = {
+    # rank 0's tensor, rank 1's: (sizes, sparse_dim)
+    "row width": (((10, 4), 1), ((10, 5), 1)),
+    # the same rows and row width, another shape (each was summed as if it matched)
+    "transposed": (((4, 6), 2), ((6, 4), 2)),
+    "dense sizes split": (((4, 6), 1), ((4, 2, 3), 1)),
+    "vector against matrix": (((24,), 1), ((4, 6), 2)),
+}
+
+
+def mismatch_worker(ctx, case):
+    sizes, sparse_dim = MISMATCHES[case][ctx.rank]
+    idx = torch.zeros(sparse_dim, 1, dtype=torch.long)
+    t = torch.sparse_coo_tensor(idx, torch.ones(1, *sizes[sparse_dim:]), sizes, check_invariants=True)
     try:
         dist.all_reduce(t)
     except Exception as e:  # noqa: BLE001 - the message is the point
@@ -145,7 +179,9 @@ def mismatch_worker(ctx):
     return "no error"
 
 
-def test_sparse_shape_mismatch_fails_naming_ranks():
-    rets = spawn_run(mismatch_worker, 2, make_ref=False, timeout_s=120, pg_timeout_s=20).check().returns
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_sparse_shape_mismatch_fails_naming_ranks(case):
+    rets = spawn_run(mismatch_worker, 2, args=(case,), make_ref=False, timeout_s=120,
+                     pg_timeout_s=20).check().returns
     for msg in (rets[r] for r in range(2)):
         assert "pycomm allreduce" in msg and "different sparse tensors" in msg and "rank 1" in msg, msg

@@ -7,9 +7,9 @@
 //
 //   local:   rows are coalesced (sorted; duplicates summed in input order) straight
 //            into this rank's payload, unless already strictly ascending.
-//   round 1: every rank all-gathers the 48-byte CooHeader of every rank (row count,
-//            payload size); a rank whose tensor differs in shape or dtype fails the
-//            call on every rank, naming both.
+//   round 1: every rank all-gathers the 56-byte CooHeader of every rank (row count,
+//            row width, a hash of the sizes, payload size); a rank whose tensor differs
+//            in shape or dtype fails the call on every rank, naming both.
 //   round 2: the payloads (varint gaps of the row ids, then the rows' values; format
 //            in sparse_wire.h) are all-gathered, variable sizes, through the group's
 //            all-gather (the shared-memory arena on one host, the ring otherwise).
@@ -21,6 +21,7 @@
 // nnz), as gloo's all-gather of indices and values does, in two all-gathers instead of
 // gloo's three, with 1-3 bytes per row id instead of 8 x sparse_dim.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -59,11 +60,11 @@ size_t align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 }  // namespace
 
 void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nnz, uint64_t rowCount,
-                  size_t rowElems, DataType dtype, ReduceOp op, const CooAllocate& allocate) {
+                  size_t rowElems, DataType dtype, ReduceOp op, const CooAllocate& allocate, uint64_t shape) {
   PYCOMM_CHECK_USAGE(op == ReduceOp::kSum || op == ReduceOp::kAvg, "pycomm ", comm.opName(),
                      ": sparse tensors support only SUM and AVG (got ", reduceOpName(op), ")");
-  PYCOMM_CHECK_USAGE(rowCount <= (1ull << 62), "pycomm ", comm.opName(),
-                     ": the sparse dimensions hold more than 2^62 rows (", rowCount, ")");
+  PYCOMM_CHECK_USAGE(rowCount <= static_cast<uint64_t>(INT64_MAX), "pycomm ", comm.opName(),
+                     ": the sparse dimensions hold more than 2^63 - 1 rows (", rowCount, ")");
   for (size_t j = 0; j < nnz; ++j)
     PYCOMM_CHECK_USAGE(rows[j] >= 0 && static_cast<uint64_t>(rows[j]) < rowCount, "pycomm ",
                        comm.opName(), ": sparse index ", rows[j], " at position ", j,
@@ -87,7 +88,7 @@ void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nn
 
   // ---- round 1: every rank's header
   std::vector<CooHeader> headers(n);
-  headers[r] = cooHeader(myRows, nnz, rowCount, rowElems, dtype);
+  headers[r] = cooHeader(myRows, nnz, rowCount, rowElems, dtype, shape);
   if (n > 1) {
     std::vector<char*> chunks;
     for (auto& h : headers) chunks.push_back(reinterpret_cast<char*>(&h));
@@ -103,6 +104,10 @@ void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nn
     if (h.dtype != headers[r].dtype || h.rowCount != rowCount || h.rowElems != rowElems)
       comm.fail(ErrorKind::kUsage, "ranks passed different sparse tensors: ", comm.transport().rankName(j),
                 " has ", describe(h), ", ", comm.transport().rankName(r), " has ", describe(headers[r]));
+    if (h.shape != shape)
+      comm.fail(ErrorKind::kUsage, "ranks passed different sparse tensors: ", comm.transport().rankName(j),
+                " and ", comm.transport().rankName(r), " both have ", describe(h),
+                " but their sizes or sparse dimensions differ");
   }
 
   // ---- round 2: every rank's payload

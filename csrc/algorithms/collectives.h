@@ -116,8 +116,12 @@ using CooAllocate = std::function<CooOutput(size_t nnz)>;
 // dtypes) of its values over ranks (ranks without the row add nothing); rows are
 // summed in rank order, so the result is bit-identical on every rank. Two all-gathers
 // (headers, then payloads); never the dense tensor. Other ops are a usage error.
+// rowCount is at most 2^63 - 1 (torch's int64 element count). `shape` (nonzero: a hash
+// of the caller's sizes and sparse_dim) must match on every rank, so that tensors with
+// the same rows and row width but another shape ((4, 6) against (6, 4)) fail the call.
 void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nnz, uint64_t rowCount,
-                  size_t rowElems, DataType dtype, ReduceOp op, const CooAllocate& allocate);
+                  size_t rowElems, DataType dtype, ReduceOp op, const CooAllocate& allocate,
+                  uint64_t shape = 0);
 
 // ---- compressed collectives (float32 gradients; allreduce_quantized.cc, allreduce_sparse.cc)
 

@@ -94,8 +94,10 @@ size_t cooIndexBytes(const int64_t* rows, size_t nnz) {
   return bytes;
 }
 
-CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t rowElems, DataType dtype) {
+CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t rowElems, DataType dtype,
+                    uint64_t shape) {
   CooHeader h{};
+  h.shape = shape;
   h.format = kCooFormat;
   h.dtype = static_cast<uint32_t>(dtype);
   h.rowCount = rowCount;

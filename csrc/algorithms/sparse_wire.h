@@ -168,15 +168,17 @@ struct CooHeader {
   uint64_t nnz;           // rows this rank sends, strictly ascending
   uint64_t indexBytes;    // bytes of the varint gaps (the first gap is the first row)
   uint64_t payloadBytes;  // cooValuesOffset(indexBytes) + nnz * rowElems * element size
+  uint64_t shape;         // a hash of the tensor's sizes and sparse_dim (0: not given)
 };
-static_assert(sizeof(CooHeader) == 48, "COO header is 48 bytes");
+static_assert(sizeof(CooHeader) == 56, "COO header is 56 bytes");
 
 // Where the values start in a payload: the index bytes padded to 16.
 inline uint64_t cooValuesOffset(uint64_t indexBytes) { return (indexBytes + 15) / 16 * 16; }
 // Bytes of the varint gaps of `nnz` strictly ascending non-negative rows.
 size_t cooIndexBytes(const int64_t* rows, size_t nnz);
 // The header of `nnz` rows (strictly ascending) of `rowElems` elements of `dtype`.
-CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t rowElems, DataType dtype);
+CooHeader cooHeader(const int64_t* rows, size_t nnz, uint64_t rowCount, uint64_t rowElems, DataType dtype,
+                    uint64_t shape = 0);
 // Writes the first part of h's payload at out: the row gaps and the padding. Returns
 // where the values go (out + cooValuesOffset(h.indexBytes)), for the caller to fill.
 uint8_t* encodeCooRows(const CooHeader& h, const int64_t* rows, uint8_t* out);

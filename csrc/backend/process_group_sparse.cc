@@ -8,7 +8,9 @@
 #include <ATen/ATen.h>
 #include <ATen/native/SparseTensorUtils.h>
 
+#include <cstdint>
 #include <cstring>
+#include <optional>
 
 #include "backend/process_group.h"
 #include "backend/tensor_checks.h"
@@ -29,14 +31,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
                reduceOpName(op) + "; call .to_dense() first)");
   const int64_t sparseDim = t.sparse_dim();
   const auto sizes = t.sizes().vec();
+  const std::optional<double> premul = premulFactor(opts.reduceOp);
+  if (premul && !at::isFloatingType(t.scalar_type()))
+    usageError(where(name) + "PREMUL_SUM needs a floating-point tensor (got " +
+               std::string(c10::toString(t.scalar_type())) + ")");
   // Row ids over the sparse sizes, row-major; rows of the product of the dense sizes.
   uint64_t rowCount = 1;
   for (int64_t d = 0; d < sparseDim; ++d) {
     const uint64_t size = static_cast<uint64_t>(sizes[d]);
-    if (size != 0 && rowCount > (1ull << 62) / size)
-      usageError(where(name) + "the sparse dimensions of the tensor hold more than 2^62 entries");
+    if (size != 0 && rowCount > static_cast<uint64_t>(INT64_MAX) / size)
+      usageError(where(name) + "the sparse dimensions of the tensor hold more than 2^63 - 1 entries");
     rowCount *= size;
   }
+  // Every rank must pass the same shape, not only the same rows and row width: FNV-1a
+  // over sparse_dim and the sizes, compared in the all-reduce's header round.
+  uint64_t shape = 14695981039346656037ull;
+  auto mix = [&shape](int64_t v) {
+    for (int b = 0; b < 8; ++b) shape = (shape ^ ((static_cast<uint64_t>(v) >> (8 * b)) & 0xFF)) * 1099511628211ull;
+  };
+  mix(sparseDim);
+  for (int64_t size : sizes) mix(size);
+  if (shape == 0) shape = 1;  // 0 means "not given"
   int64_t rowElems = 1;
   for (size_t d = static_cast<size_t>(sparseDim); d < sizes.size(); ++d) rowElems *= sizes[d];
 
@@ -65,7 +80,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
   sig.count = t.numel();
   sig.reduceOp = static_cast<int>(op);
   return enqueue(name, c10d::OpType::ALLREDUCE, tensors,
-                 [tensor, values, rows, rowCount, rowElems, sizes, sparseDim, dtype, op](Comm& c) {
+                 [tensor, values, rows, rowCount, rowElems, sizes, sparseDim, dtype, op, shape, premul](Comm& c) {
                    at::Tensor outRows, outValues;
                    const auto valueShape = at::IntArrayRef(sizes).slice(static_cast<size_t>(sparseDim));
                    auto allocate = [&](size_t unionRows) {
@@ -76,7 +91,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
                      return CooOutput{outRows.data_ptr<int64_t>(), outValues.data_ptr()};
                    };
                    pycomm::allreduceCoo(c, rows->data(), values.data_ptr(), rows->size(), rowCount,
-                                        static_cast<size_t>(rowElems), dtype, op, allocate);
+                                        static_cast<size_t>(rowElems), dtype, op, allocate, shape);
+                   // PREMUL_SUM (torch's _make_nccl_premul_sum): the factor times the sum,
+                   // as the dense path scales each rank's tensor before summing.
+                   if (premul) outValues.mul_(*premul);
                    // Row ids back to [sparseDim, nnz] indices.
                    const int64_t unionRows = outRows.numel();
                    at::Tensor outIndices = at::empty({sparseDim, unionRows}, at::kLong);
