@@ -1451,4 +1451,12 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         launch()
     else:
         previous.add_done_callback(launch)  # runs at once if it has completed
+    if bucket.is_last():
+        # The step's collectives above are issued from callbacks, off DDP's thread. DDP
+        # issues its own on this group once the last bucket's hook returns (with
+        # find_unused_parameters: the used-parameter map), so every one of ours must be
+        # issued by then, on every rank, or the ranks call the group's collectives in
+        # different orders ("rank 0 called with 16 bytes where 384 were expected"). DDP
+        # waits for the buckets' futures right after backward anyway.
+        gate.wait()
     return result

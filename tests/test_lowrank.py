@@ -355,3 +355,32 @@ def test_powersgd_hook_pycomm():
                         f"{(on_gloo - flat).abs().max():.3g})")
     print(f"\n{rets[0]['gaps']}; digits test accuracy: dense {dense_acc:.3f}, PowerSGD rank 2 {acc:.3f}")
     assert not problems, "\n".join(problems)
+
+
+def _find_unused_worker(ctx):
+    """DDP(find_unused_parameters=True) all-reduces its used-parameter map on the group
+    right after the last bucket's hook returns; the hook's own all-reduces, issued from
+    future callbacks, must all be issued by then on every rank. Before, they raced it:
+    "rank 1 called with 16 bytes where 576 were expected" within a few steps."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm import hooks as H
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    ddp = DDP(net, find_unused_parameters=True)  # every parameter used: the flag alone
+    ddp.register_comm_hook(H.PowerSGDState(rank=1), H.powersgd_hook)
+    for step in range(8):
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        net.zero_grad()
+        F.mse_loss(ddp(torch.randn(16, 32, generator=g)), torch.randn(16, 8, generator=g)).backward()
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+
+@pytest.mark.parametrize("backend", ["pycomm", "gloo"])
+def test_powersgd_hook_with_find_unused_parameters(backend):
+    rets = spawn_run(_find_unused_worker, 2, backend=backend, make_ref=False, timeout_s=150,
+                     pg_timeout_s=60).check().returns
+    assert torch.equal(rets[0], rets[1]), "the ranks' averaged gradients differ"
