@@ -277,9 +277,9 @@ CALIBRATION_ROUNDS = 3  # sweeps per calibration, each size's median kept
 
 def _median_points(runs: Sequence[Sequence[Tuple[float, float]]]) -> List[Tuple[float, float]]:
     """(bytes, seconds) per size: the median over ``runs`` of the same sweep (sizes
-    missing from a run count from the others). One sweep on a shared machine moves by
-    up to a third from one minute to the next; the median of three is what a fit of
-    one line through a handful of sizes needs to stay put."""
+    missing from a run count from the others). One sweep on this VM moved by up to
+    1.7x within ten minutes (docs/planner.md, "One run, and how much this VM moves"); the
+    median of three keeps one slow or fast sweep out of the fit."""
     by_size: Dict[float, List[float]] = {}
     for run in runs:
         for size, seconds in run:

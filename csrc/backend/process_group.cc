@@ -15,6 +15,7 @@
 #include "algorithms/alltoall_splits.h"
 #include "backend/store_adapter.h"
 #include "backend/tensor_checks.h"
+#include "common/fnv.h"
 #include "common/logging.h"
 #include "common/stats.h"
 #include "common/thread_name.h"
@@ -83,17 +84,10 @@ int64_t totalNumel(const Tensors& tensors) {
 // reduce op and root (not the count: sizes are checked by the message sizes, and
 // all-to-all's differ).
 uint64_t callHash(const CallSignature& sig) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](const void* data, size_t bytes) {
-    for (size_t i = 0; i < bytes; ++i) {
-      h ^= static_cast<const unsigned char*>(data)[i];
-      h *= 1099511628211ull;
-    }
-  };
-  mix(sig.op, std::strlen(sig.op));
-  mix(&sig.dtype, sizeof(sig.dtype));
-  mix(&sig.reduceOp, sizeof(sig.reduceOp));
-  mix(&sig.root, sizeof(sig.root));
+  uint64_t h = fnv1a(sig.op, std::strlen(sig.op), 1469598103934665603ull);  // (a digit short of kFnvOffset)
+  h = fnv1a(&sig.dtype, sizeof(sig.dtype), h);
+  h = fnv1a(&sig.reduceOp, sizeof(sig.reduceOp), h);
+  h = fnv1a(&sig.root, sizeof(sig.root), h);
   return h ^ (h >> 29);
 }
 

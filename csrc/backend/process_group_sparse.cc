@@ -14,6 +14,7 @@
 
 #include "backend/process_group.h"
 #include "backend/tensor_checks.h"
+#include "common/fnv.h"
 
 namespace pycomm {
 
@@ -45,12 +46,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
   }
   // Every rank must pass the same shape, not only the same rows and row width: FNV-1a
   // over sparse_dim and the sizes, compared in the all-reduce's header round.
-  uint64_t shape = 14695981039346656037ull;
-  auto mix = [&shape](int64_t v) {
-    for (int b = 0; b < 8; ++b) shape = (shape ^ ((static_cast<uint64_t>(v) >> (8 * b)) & 0xFF)) * 1099511628211ull;
-  };
-  mix(sparseDim);
-  for (int64_t size : sizes) mix(size);
+  uint64_t shape = fnv1a(&sparseDim, sizeof(sparseDim));
+  shape = fnv1a(sizes.data(), sizes.size() * sizeof(int64_t), shape);
   if (shape == 0) shape = 1;  // 0 means "not given"
   int64_t rowElems = 1;
   for (size_t d = static_cast<size_t>(sparseDim); d < sizes.size(); ++d) rowElems *= sizes[d];
