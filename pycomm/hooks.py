@@ -372,6 +372,76 @@ class _CompressionState:
             self._residuals[ordinal] = view
         return flat
 
+    def _hold_unused(self, buffer: torch.Tensor, segments) -> Optional[list]:
+        """Takes the residual and DGC velocity of every parameter whose local gradient (its
+        slice of ``buffer``) is all zero out of the step: they are zeroed here, so the hook
+        sends nothing for the parameter, and :meth:`_release` adds them back once the
+        collective is done. Returns what it took (None when nothing).
+
+        Under ``DDP(find_unused_parameters=True)`` a parameter this rank did not use has a
+        zero slice, and DDP does not copy the averaged bucket into ``.grad`` for a
+        parameter no rank used: whatever a hook sends for it is lost. Sending its residual
+        (the slice plus the residual is the residual alone) and clearing it lost the
+        residual; and the velocity decayed with no gradient in it. A used parameter whose
+        gradient is exactly zero keeps its residual for a later step too, which only
+        delays it."""
+        if not segments or not (self.error_feedback or self._momenta):
+            return None
+        if buffer.device.type == "cpu" and buffer.is_contiguous():
+            from ._C import kernels
+
+            zero = kernels.zero_segments(buffer, [o for _, o, _ in segments], [n for _, _, n in segments])
+        else:
+            zero = torch.stack([buffer[o: o + n].count_nonzero() == 0 for _, o, n in segments]).tolist()
+        held = []
+        for (ordinal, _, n), unused in zip(segments, zero):
+            if not unused or n == 0:
+                continue
+            r = self._residuals.get(ordinal) if self.error_feedback else None
+            u = self._momenta.get(ordinal)
+            r = r if r is not None and r.numel() == n else None  # a size mismatch is reported later
+            u = u if u is not None and u.numel() == n else None
+            if r is None and u is None:
+                continue
+            held.append((ordinal, None if r is None else r.clone(), None if u is None else u.clone()))
+            for t in (r, u):
+                if t is not None:
+                    t.zero_()
+        return held or None
+
+    def _restore(self, held: Optional[list]) -> None:
+        """Adds what :meth:`_hold_unused` took back: the residual onto whatever the step
+        left there (the collectives' own error feedback), the velocity as it was."""
+        for ordinal, r, u in held or ():
+            if r is not None:
+                current = self._residuals.get(ordinal)
+                if current is None or current.numel() != r.numel():
+                    self._residuals[ordinal] = r
+                else:
+                    current.view(-1).add_(r.view(-1))
+            if u is not None:
+                current = self._momenta.get(ordinal)
+                if current is None or current.numel() != u.numel():
+                    self._momenta[ordinal] = u
+                else:
+                    current.copy_(u.view_as(current))
+
+    def _release(self, start: Callable[[], torch.futures.Future], held: Optional[list]) -> torch.futures.Future:
+        """``start()``'s future, completing after :meth:`_restore` has put ``held`` back
+        (at once when ``start`` raises)."""
+        try:
+            fut = start()
+        except BaseException:
+            self._restore(held)
+            raise
+        if held is None:
+            return fut
+
+        def restored(f):
+            self._restore(held)
+            return f.value()  # re-raises a failed collective
+        return fut.then(restored)
+
     def _seeded(self, ordinal: int, step: int) -> torch.Generator:
         rank = dist.get_rank(self.process_group)
         return self._generator.manual_seed(_mix_seed(self.seed, rank, step, ordinal))
@@ -622,6 +692,13 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     if state.min_compression_rate:  # None (the default rule) sparsifies every parameter here
         raise ValueError("pycomm topk_hook: min_compression_rate needs the sparse all-reduce of a pycomm group "
                          "(exchange='auto'); the all_gather exchange sparsifies every parameter")
+    held = state._hold_unused(buffer, segments)
+    return state._release(lambda: _topk_allgather(state, buffer, group, world, step, segments), held)
+
+
+def _topk_allgather(state: TopKState, buffer: torch.Tensor, group, world: int, step: int, segments):
+    """topk_hook on another backend (or exchange="allgather"): every rank's selections
+    all-gathered, summed in rank order."""
     index_parts, value_parts = [], []
     for ordinal, offset, numel in segments:
         u = None
@@ -716,6 +793,13 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
                                                                    "quantize")
     if done is not None:
         return done
+    held = state._hold_unused(buffer, segments)
+    return state._release(lambda: _quantize_allgather(state, buffer, group, world, step, segments), held)
+
+
+def _quantize_allgather(state: QuantizeState, buffer: torch.Tensor, group, world: int, step: int, segments):
+    """quantize_hook on another backend (or exchange="allgather"): every rank's codes
+    all-gathered, dequantized and summed in rank order."""
     bits, block = state.bits, state.block
     stochastic = state.stochastic and bits != 1
     code_parts, scale_parts, layout = [], [], []
@@ -962,6 +1046,11 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     group of ``hosts``)."""
     if state._hosts is not None and group is None:
         return _hosts_exchange(state, buffer, world, step, segments, _topk_pycomm)
+    held = state._hold_unused(buffer, segments)  # the host's sum, on a leader
+    return state._release(lambda: _topk_sparse(backend, state, buffer, world, step, segments, group), held)
+
+
+def _topk_sparse(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments, group):
     rank = dist.get_rank(group if group is not None else state.process_group)
     value_dtype = _wire_dtype(state, buffer)
     numel = buffer.numel()
@@ -1198,6 +1287,11 @@ def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world:
     parameter's result does not depend on the bucket layout. ``group``: as _topk_pycomm's."""
     if state._hosts is not None and group is None:
         return _hosts_exchange(state, buffer, world, step, segments, _quantize_pycomm)
+    held = state._hold_unused(buffer, segments)
+    return state._release(lambda: _quantize_twophase(backend, state, buffer, world, step, segments), held)
+
+
+def _quantize_twophase(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):
     # float32 buckets are reduced in place (DDP's bucket is overwritten with the result anyway)
     data = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     residual = state._flat_residual(segments, buffer.numel())
@@ -1361,7 +1455,12 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
     segments = state._segments(bucket, buffer)
     if step < state.warmup_steps:
         return _dense_allreduce(buffer, group, world)
+    held = state._hold_unused(buffer, segments)
+    return state._release(lambda: _powersgd_start(state, bucket, buffer, group, world, step, segments), held)
 
+
+def _powersgd_start(state: PowerSGDState, bucket, buffer: torch.Tensor, group, world: int, step: int, segments):
+    """powersgd_hook's collectives for one bucket; the future completes with the result."""
     plain, low = [], []  # (offset, numel) sent as is; (ordinal, offset, n, m, r, M, Q) compressed
     for (ordinal, offset, numel), param in zip(segments, bucket.parameters()):
         shape = state.compressed_shape(param.shape)

@@ -341,6 +341,33 @@ def test_topk_ef_segments_rejects_bad_layouts():
         K.topk_ef_segments(g.double(), e, [0], [10], 0.1, [True], [0])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_zero_segments(dtype):
+    """Which slices of a bucket are all zero (the hooks' test for a parameter this rank did
+    not use): every byte, so a lone nonzero anywhere in a long slice, or in its last
+    partial block, counts; -0.0 is not zero (its sign bit is set)."""
+    x = torch.zeros(3000, dtype=dtype)
+    offsets, lengths = [0, 10, 700, 1500, 2999, 3000], [10, 690, 800, 1499, 1, 0]
+    assert K.zero_segments(x, offsets, lengths) == [True] * 6
+    x[1499] = 1  # the last element of segment 2 (past its last whole 256-byte block)
+    x[11] = 3
+    assert K.zero_segments(x, offsets, lengths) == [True, False, False, True, True, True]
+    if dtype.is_floating_point:
+        x.zero_()
+        x[2999] = -0.0
+        assert K.zero_segments(x, offsets, lengths)[4] is False
+
+
+def test_zero_segments_rejects_bad_input():
+    with pytest.raises(ValueError, match="segment 0 .* must lie in"):
+        K.zero_segments(torch.zeros(10), [5], [6])
+    with pytest.raises(ValueError, match="one entry per segment"):
+        K.zero_segments(torch.zeros(10), [0, 1], [1])
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        K.zero_segments(torch.zeros(10, 2).t(), [0], [1])
+
+
 # ------------------------------------------------------------------------- quantize
 
 

@@ -408,6 +408,27 @@ void reduceIntoTensor(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
              op);
 }
 
+// For each segment [offsets[i], offsets[i] + lengths[i]) of x (elements of a
+// contiguous CPU tensor of any dtype): whether all its bytes are zero.
+std::vector<bool> zeroSegments(const at::Tensor& x, const std::vector<int64_t>& offsets,
+                               const std::vector<int64_t>& lengths) {
+  if (x.device().type() != at::kCPU || !x.is_contiguous())
+    usageError("pycomm zero_segments: x must be a contiguous CPU tensor");
+  if (offsets.size() != lengths.size())
+    usageError("pycomm zero_segments: offsets and lengths must have one entry per segment");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    if (offsets[i] < 0 || lengths[i] < 0 || offsets[i] > x.numel() || lengths[i] > x.numel() - offsets[i])
+      usageError("pycomm zero_segments: segment " + std::to_string(i) + " [" + std::to_string(offsets[i]) +
+                 ", +" + std::to_string(lengths[i]) + ") must lie in [0, " + std::to_string(x.numel()) + ")");
+  std::vector<bool> zero(offsets.size());
+  const char* base = static_cast<const char*>(x.data_ptr());
+  const size_t size = x.element_size();
+  py::gil_scoped_release release;
+  for (size_t i = 0; i < offsets.size(); ++i)
+    zero[i] = allZeroBytes(base + offsets[i] * size, static_cast<size_t>(lengths[i]) * size);
+  return zero;
+}
+
 void setCpuIsa(const std::string& name) {
   CpuIsa isa = bestCpuIsa();
   if (name != "auto" && !parseCpuIsa(name, &isa))
@@ -441,6 +462,9 @@ void registerKernelBindings(py::module_& m) {
         py::arg("lengths"), py::arg("density"), py::arg("exact"), py::arg("seeds"), py::arg("base") = 0,
         "topk_ef over ascending, disjoint segments of g and e in one call (CPU): the "
         "concatenated (indices + base + offset, values), segment after segment");
+  k.def("zero_segments", &zeroSegments, py::arg("x"), py::arg("offsets"), py::arg("lengths"),
+        "for each segment of a contiguous CPU tensor (in elements): whether all its bytes are zero, "
+        "stopping at the first nonzero block");
   k.def(
       "topk_count",
       [](int64_t count, double density) {

@@ -452,4 +452,22 @@ void divideBy(void* buf, size_t count, DataType dtype, int divisor) {
   }
 }
 
+bool allZeroBytes(const void* p, size_t n) {
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  constexpr size_t kBlock = 256;  // OR a block of words (vectorised), test once per block
+  size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    uint64_t any = 0;
+    for (size_t j = 0; j < kBlock; j += sizeof(uint64_t)) {
+      uint64_t word;
+      std::memcpy(&word, b + i + j, sizeof word);
+      any |= word;
+    }
+    if (any != 0) return false;
+  }
+  for (; i < n; ++i)
+    if (b[i] != 0) return false;
+  return true;
+}
+
 }  // namespace pycomm

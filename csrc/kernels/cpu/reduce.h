@@ -31,6 +31,13 @@ void reduceInto(void* dst, const void* a, const void* b, size_t count, DataType 
 // buf[i] /= divisor, for floating dtypes (used to finish ReduceOp::kAvg).
 void divideBy(void* buf, size_t count, DataType dtype, int divisor);
 
+// Whether the n bytes at p are all zero; returns at the first block holding a
+// nonzero byte, so a buffer in use costs a few words and only an all-zero one a
+// full read. The hooks ask it of each parameter's slice of a DDP bucket: DDP
+// zero-fills the slice of a parameter this rank did not use (-0.0 is not zero
+// here, which only makes the caller treat the slice as used).
+bool allZeroBytes(const void* p, size_t n);
+
 // The instruction set the functions above use: bestCpuIsa() unless forced.
 CpuIsa reduceIsa();
 

@@ -1,0 +1,129 @@
+"""Error feedback under DDP(find_unused_parameters=True).
+
+A parameter a rank does not use in a step has a zero slice in the bucket. DDP copies the
+averaged bucket into ``.grad`` only for parameters some rank used, so what a hook sends
+for a parameter no rank used is lost. Before, the hooks sent such a parameter's residual
+(its slice was zero, so they selected from the residual alone) and cleared it: the
+residual vanished. Now a parameter whose local gradient is all zero keeps its residual
+(and its DGC velocity) for a step in which it is used.
+
+Checked by conservation, per parameter: summed over ranks, the local gradients of all
+steps equal world x the applied (averaged) gradients plus the ranks' final residuals.
+"""
+import pytest
+import torch
+
+from mp_util import spawn_run
+
+STEPS = 6
+
+
+def _configs():
+    from pycomm import hooks as H
+
+    return {
+        "topk": lambda: (H.TopKState(density=0.05, exact=True), H.topk_hook),
+        "topk-step": lambda: (H.TopKState(density=0.05, exact=True, schedule="step"), H.topk_hook),
+        "topk-hosts": lambda: (H.TopKState(density=0.05, exact=True, hosts=[[0, 1]]), H.topk_hook),
+        "topk-allgather": lambda: (H.TopKState(density=0.05, exact=True, exchange="allgather"), H.topk_hook),
+        "quantize": lambda: (H.QuantizeState(bits=4, block=32), H.quantize_hook),
+        "quantize-allgather": lambda: (H.QuantizeState(bits=4, block=32, exchange="allgather"), H.quantize_hook),
+        "powersgd": lambda: (H.PowerSGDState(rank=1), H.powersgd_hook),
+        "topk-momentum": lambda: (H.TopKState(density=0.05, exact=True, momentum=0.9), H.topk_hook),
+    }
+
+
+def _branch(step: int, rank: int) -> str:
+    """Both ranks use a, both use b, or each its own (a used locally, unused globally)."""
+    return ("a", "b", "a" if rank == 0 else "b")[step % 3]
+
+
+def _net():
+    import torch.nn as nn
+
+    class TwoBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x, branch):
+            return self.head(torch.tanh(getattr(self, branch)(x)))
+
+    torch.manual_seed(0)
+    return TwoBranches()
+
+
+def _conservation_worker(ctx, name):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    state, hook = _configs()[name]()
+    net = _net()
+    ddp = DDP(net, find_unused_parameters=True)
+    names = {id(p): n for n, p in net.named_parameters()}
+    local = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+    applied = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+
+    def recording(state, bucket):
+        buffer, at = bucket.buffer(), 0
+        for p in bucket.parameters():
+            local[names[id(p)]] += buffer[at: at + p.numel()].view_as(p)
+            at += p.numel()
+        return hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording)
+    velocity = []  # momentum runs: b's velocity before and after a step no rank used b in
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        net.zero_grad(set_to_none=True)
+        if getattr(state, "momentum", 0) and step % 3 == 0:
+            velocity.append(state._momenta.get(state._ordinal(net.b.weight), torch.zeros(0)).clone())
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        F.mse_loss(ddp(x, _branch(step, ctx.rank)), y).backward()
+        if getattr(state, "momentum", 0) and step % 3 == 0:
+            velocity.append(state._momenta.get(state._ordinal(net.b.weight), torch.zeros(0)).clone())
+        for n, p in net.named_parameters():
+            if p.grad is not None:
+                applied[n] += p.grad
+    residual = {}
+    for n, p in net.named_parameters():
+        r = state._residuals.get(state._ordinal(p))
+        residual[n] = torch.zeros_like(p) if r is None else r.reshape(p.shape).clone()
+    return {"local": local, "applied": applied, "residual": residual, "velocity": velocity}
+
+
+def _conservation_problems(rets, world):
+    problems = []
+    for n in rets[0]["local"]:
+        local = sum(r["local"][n] for r in rets)
+        kept = world * rets[0]["applied"][n] + sum(r["residual"][n] for r in rets)
+        if not torch.equal(rets[0]["applied"][n], rets[1]["applied"][n]):
+            problems.append(f"{n}: the ranks applied different gradients")
+        off = (local - kept).norm() / local.norm()
+        if off > 1e-4:
+            problems.append(f"{n}: conservation off by {off:.1%} of the local gradients' norm")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["topk", "topk-step", "topk-hosts", "topk-allgather", "quantize",
+                                  "quantize-allgather", "powersgd"])
+def test_error_feedback_keeps_the_residual_of_an_unused_parameter(name):
+    rets = spawn_run(_conservation_worker, 2, args=(name,), make_ref=False, timeout_s=120,
+                     pg_timeout_s=60).check().returns
+    rets = [rets[r] for r in sorted(rets)]
+    problems = _conservation_problems(rets, 2)
+    assert not problems, f"{name}: " + "; ".join(problems)
+
+
+def test_dgc_velocity_of_a_parameter_no_rank_used_is_kept():
+    """TopKState(momentum=...): a step in which no rank uses b leaves b's velocity as it
+    was (before, it decayed by the momentum, and its selected entries were sent and lost)."""
+    rets = spawn_run(_conservation_worker, 2, args=("topk-momentum",), make_ref=False, timeout_s=120,
+                     pg_timeout_s=60).check().returns
+    rets = [rets[r] for r in sorted(rets)]
+    for r in rets:
+        _, _, before, after = r["velocity"]  # steps 0 and 3: only a is used, on both ranks
+        assert before.abs().sum() > 0, "b's velocity should hold steps 1 and 2"
+        assert torch.equal(before, after), f"b's velocity changed by {(after - before).norm():.3g}"
