@@ -44,9 +44,11 @@ Hooks are annotated ``-> torch.futures.Future[torch.Tensor]`` (DDP checks the an
 so this module does not use ``from __future__ import annotations``.
 
 Checkpoints: ``state.state_dict()`` holds plain Python values and tensors (torch.save-able,
-read back with ``torch.load(..., weights_only=True)``);
-``load_state_dict`` restores residuals and the step counter.
+read back with ``torch.load(..., weights_only=True)``), each rank's tensors under a key
+naming the rank; ``load_state_dict`` restores residuals and the step counter, and refuses
+another rank's state or one saved at another world size.
 """
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -92,7 +94,7 @@ _APPROX_MIN_NUMEL_CUDA = 1 << 20
 _SCHEDULES = ("bucket", "step")
 _VALUE_DTYPES = {None: None, "float32": torch.float32, "float16": torch.float16,
                  "bfloat16": torch.bfloat16}
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: each rank's tensors under a key of its own (rank<r>), with its rank and world size
 _MASK64 = (1 << 64) - 1
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -458,26 +460,73 @@ class _CompressionState:
     def _config(self) -> Dict[str, Any]:
         return {}
 
+    def _rank_and_world(self) -> Tuple[int, int]:
+        """This process's rank in the state's group and the group's size (0 and 1 before
+        torch.distributed is initialised)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+
+    def _rank_state(self) -> Dict[str, Any]:
+        """What is this rank's own: its residuals and velocities (by parameter ordinal)."""
+        return {
+            "residuals": {ordinal: r.detach().clone() for ordinal, r in sorted(self._residuals.items())},
+            "momenta": {ordinal: u.detach().clone() for ordinal, u in sorted(self._momenta.items())},
+        }
+
+    def _load_rank_state(self, mine: Dict[str, Any]) -> None:
+        self._residuals = {int(o): r.detach().to(torch.float32).clone() for o, r in mine.get("residuals", {}).items()}
+        self._momenta = {int(o): u.detach().to(torch.float32).clone() for o, u in mine.get("momenta", {}).items()}
+
     def state_dict(self) -> Dict[str, Any]:
-        """Residuals (by parameter ordinal), step counter and settings; torch.save-able."""
+        """Step counter, settings and this rank's tensors; torch.save-able.
+
+        The residuals (and velocities, warm-start matrices) differ between ranks, so they
+        sit under a key naming the rank, ``"rank<r>"``, as a one-element tuple holding
+        ``{"rank", "world_size", "residuals", "momenta"}`` (ordinal -> float32 tensor).
+        ``torch.distributed.checkpoint`` then keeps every rank's (it keeps one copy of a
+        key all ranks share), and stores the tuple as one object, so a fresh process,
+        whose state has no residuals yet, loads them whole. :meth:`load_state_dict`
+        refuses another rank's state, or a state saved at another world size."""
+        rank, world = self._rank_and_world()
+        mine = {"rank": rank, "world_size": world}
+        mine.update(self._rank_state())
         return {
             "kind": self._kind,
             "version": _STATE_VERSION,
             "step": self.step,
             "seed": self.seed,
             "config": self._config(),
-            "residuals": {ordinal: r.detach().clone() for ordinal, r in sorted(self._residuals.items())},
-            "momenta": {ordinal: u.detach().clone() for ordinal, u in sorted(self._momenta.items())},
+            "world_size": world,
+            f"rank{rank}": (mine,),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         _check_kind(self._op, state, self._kind)
+        rank, world = self._rank_and_world()
+        if int(state.get("version", 1)) < 2:
+            warnings.warn(f"pycomm {self._op}: this state_dict was saved by a pycomm that did not record the "
+                          f"rank; whether its residuals are this rank's ({rank}) cannot be checked", stacklevel=2)
+            mine = state
+        else:
+            entry = state.get(f"rank{rank}")
+            if entry is None:
+                saved = sorted((k for k in state if isinstance(k, str) and k.startswith("rank")
+                                and k[4:].isdigit()), key=lambda k: int(k[4:]))
+                raise ValueError(
+                    f"pycomm {self._op}: this state_dict holds the state of {', '.join(saved) or 'no rank'}, "
+                    f"not of rank {rank}: each rank loads the state it saved (torch.save a file per rank, "
+                    f"or use torch.distributed.checkpoint, which keeps every rank's)")
+            mine = entry[0] if isinstance(entry, (tuple, list)) else entry
+            saved_world = int(mine.get("world_size", state.get("world_size", world)))
+            if saved_world != world:
+                raise ValueError(
+                    f"pycomm {self._op}: this state was saved by rank {rank} of {saved_world} ranks, and this "
+                    f"group has {world}: its residuals belong to another split of the gradients (start from "
+                    f"a fresh state at a new world size)")
         self.step = int(state["step"])
         self.seed = int(state.get("seed", self.seed))
-        self._residuals = {int(o): r.detach().to(torch.float32).clone()
-                           for o, r in state.get("residuals", {}).items()}
-        self._momenta = {int(o): u.detach().to(torch.float32).clone()
-                         for o, u in state.get("momenta", {}).items()}
+        self._load_rank_state(mine)
         self._flat.clear()
 
     def reset_residuals(self) -> None:
@@ -496,6 +545,18 @@ class _CompressionState:
             raise ValueError(f"pycomm {self._op}: the momentum of parameter #{ordinal} has {u.numel()} "
                              f"elements but the parameter has {grad.numel()} (state loaded from another model?)")
         return u.mul_(momentum).add_(grad)
+
+
+def rank_state(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """The part of a compressed hook's ``state_dict()`` that belongs to the rank that saved
+    it: ``{"rank", "world_size", "residuals", "momenta"}`` (PowerSGD: also ``"q"``), the
+    tensors by parameter ordinal. For reading a checkpoint; :meth:`load_state_dict` takes
+    the whole dict."""
+    entries = [v for k, v in state_dict.items() if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()]
+    if len(entries) != 1:
+        raise ValueError(f"pycomm rank_state: expected the state of one rank, found {len(entries)}")
+    entry = entries[0]
+    return entry[0] if isinstance(entry, (tuple, list)) else entry
 
 
 def _check_state(op: str, state, cls) -> None:
@@ -1365,7 +1426,7 @@ class PowerSGDState(_CompressionState):
     ``seed``: seeds the initial Q (the same on every rank, as power iteration needs).
 
     ``state_dict()`` adds the warm-start matrices (``"q"``: ordinal -> m x r float32) to
-    the residuals and step counter of the other compressed hooks."""
+    the rank's residuals of the other compressed hooks."""
 
     _kind = "powersgd"
     _op = "powersgd_hook"
@@ -1405,14 +1466,17 @@ class PowerSGDState(_CompressionState):
         return {"rank": self.rank, "error_feedback": self.error_feedback, "warm_start": self.warm_start,
                 "min_compression_rate": self.min_compression_rate, "warmup_steps": self.warmup_steps}
 
-    def state_dict(self) -> Dict[str, Any]:
-        state = super().state_dict()
+    def _rank_state(self) -> Dict[str, Any]:
+        state = super()._rank_state()
         state["q"] = {ordinal: q.detach().clone() for ordinal, q in sorted(self._qs.items())}
         return state
 
+    def _load_rank_state(self, mine: Dict[str, Any]) -> None:
+        super()._load_rank_state(mine)
+        self._qs = {int(o): q.detach().to(torch.float32).clone() for o, q in mine.get("q", {}).items()}
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._qs = {int(o): q.detach().to(torch.float32).clone() for o, q in state.get("q", {}).items()}
         self._tail = None
 
     def reset_residuals(self) -> None:

@@ -474,7 +474,7 @@ def staged_hooks_worker(ctx):
                 assert result.device.type == dev, (name, dev, result.device)
                 out[(name, dev, step)] = result.cpu()
         for dev, state in states.items():
-            out[(name, dev, "residuals")] = {o: r.cpu() for o, r in state.state_dict()["residuals"].items()}
+            out[(name, dev, "residuals")] = {o: r.cpu() for o, r in H.rank_state(state.state_dict())["residuals"].items()}
     return out
 
 

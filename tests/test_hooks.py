@@ -620,9 +620,9 @@ def _checkpoint_checks(ctx):
             problems.append(f"{name}: resumed losses differ from the uninterrupted run "
                             f"(max |diff| {max(diffs):.3g}; first differing step "
                             f"{next(i for i, d in enumerate(diffs) if d)})")
-        if name != "allreduce" and not ckpt["hook"].get("residuals") and name != "topk_warmup":
+        if name != "allreduce" and not H.rank_state(ckpt["hook"])["residuals"] and name != "topk_warmup":
             problems.append(f"{name}: checkpoint holds no residuals")
-        if name == "topk_warmup" and not ckpt["hook"]["residuals"]:
+        if name == "topk_warmup" and not H.rank_state(ckpt["hook"])["residuals"]:
             problems.append("topk_warmup: checkpoint holds no residuals after warm-up")
     return problems
 
@@ -669,7 +669,7 @@ def _momentum_checks(ctx):
     torch.save({"hook": state.state_dict(), "model": model.state_dict()}, blob)
     blob.seek(0)
     ckpt = torch.load(blob, weights_only=True)
-    if len(ckpt["hook"]["momenta"]) != len(list(model.parameters())):
+    if len(H.rank_state(ckpt["hook"])["momenta"]) != len(list(model.parameters())):
         problems.append("topk_dgc: the checkpoint does not hold a momentum per parameter")
     model2, state2 = _student(seed=7), H.TopKState(density=0.01, momentum=0.9)
     model2.load_state_dict(ckpt["model"])

@@ -256,7 +256,7 @@ def test_a_dead_leader_fails_every_rank_not_hangs():
 def _resume_worker(ctx):
     import copy
 
-    from pycomm.hooks import TopKState, topk_hook
+    from pycomm.hooks import TopKState, rank_state, topk_hook
 
     params = [torch.nn.Parameter(torch.zeros(*shape)) for shape in SHAPES]
 
@@ -278,8 +278,8 @@ def _resume_worker(ctx):
     problems = []
     if saved["config"]["hosts"] != HOSTS:
         problems.append(f"state_dict config hosts: {saved['config']['hosts']!r}")
-    if (ctx.rank in (0, 2)) != bool(saved["residuals"]):
-        problems.append(f"residuals saved: {len(saved['residuals'])} (leaders keep them, the others none)")
+    if (ctx.rank in (0, 2)) != bool(rank_state(saved)["residuals"]):
+        problems.append(f"residuals saved: {len(rank_state(saved)['residuals'])} (leaders keep them, the others none)")
     for k, (a, b) in enumerate(zip(straight, resumed)):
         if not all(torch.equal(x, y) for x, y in zip(a, b)):
             problems.append(f"step {3 + k}: the resumed state differs from the uninterrupted one")

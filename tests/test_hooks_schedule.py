@@ -71,7 +71,9 @@ def _train(ctx, state, steps, start=0, model=None):
 
 
 def _residuals(state):
-    return {o: r.clone() for o, r in state.state_dict()["residuals"].items()}
+    from pycomm import hooks as H
+
+    return {o: r.clone() for o, r in H.rank_state(state.state_dict())["residuals"].items()}
 
 
 def _schedule_checks(ctx):
@@ -165,7 +167,7 @@ def _rule_checks(ctx):
                 elif not torch.equal(a[i], b[i]):
                     problems.append(f"rule {schedule} step {step}: compressed parameter {i} changed "
                                     f"(max |diff| {(a[i] - b[i]).abs().max().item():.3g})")
-            res = ruled.state_dict()["residuals"]
+            res = H.rank_state(ruled.state_dict())["residuals"]
             order = [i for positions in layout for i in positions]  # ordinals: the order first seen
             for o, i in enumerate(order):
                 if small[i] and res[o].abs().max().item() != 0.0:
@@ -192,7 +194,7 @@ def _rule_checks(ctx):
             if calls != expected:
                 problems.append(f"small_bits {schedule} step {step}: {calls} quantized all-reduces, "
                                 f"expected {expected}")
-            res = quant.state_dict()["residuals"]
+            res = H.rank_state(quant.state_dict())["residuals"]
             after = {i: res[o] for o, i in enumerate(order)}
             gs = grads(ctx.rank, step)
             for i in range(len(params)):

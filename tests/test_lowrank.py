@@ -263,7 +263,7 @@ def _checkpoint_checks(ctx):
     torch.save({"hook": state.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, blob)
     blob.seek(0)
     ckpt = torch.load(blob, weights_only=True)
-    hook_state = ckpt["hook"]
+    hook_state = dict(ckpt["hook"], **H.rank_state(ckpt["hook"]))
     if not hook_state["q"] or not hook_state["residuals"] or hook_state["step"] != cut:
         problems.append(f"checkpoint: q {sorted(hook_state['q'])}, residuals {sorted(hook_state['residuals'])}, "
                         f"step {hook_state['step']}")
