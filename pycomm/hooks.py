@@ -1569,7 +1569,9 @@ def _powersgd_start(state: PowerSGDState, bucket, buffer: torch.Tensor, group, w
                 q = second[at: at + m * r].view(m, r).div_(world)
                 at += m * r
                 buffer[offset: offset + n * m].view(n, m).copy_(torch.matmul(p_hat, q.t()))
-                if state.warm_start:
+                if state.warm_start and (q.any() or ordinal not in state._qs):
+                    # q is zero when no rank had anything for the parameter (unused by all):
+                    # the last Q stays, rather than restarting the power iteration from zero
                     state._qs[ordinal] = q.clone()
             result.set_result(buffer)
             gate.set_result(None)

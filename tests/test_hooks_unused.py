@@ -74,16 +74,20 @@ def _conservation_worker(ctx, name):
         return hook(state, bucket)
 
     ddp.register_comm_hook(state, recording)
-    velocity = []  # momentum runs: b's velocity before and after a step no rank used b in
+    kept = []  # momentum / PowerSGD: b's velocity / warm-start Q before and after a step no rank used b in
+    table = "_momenta" if getattr(state, "momentum", 0) else "_qs" if hasattr(state, "_qs") else None
+
+    def keep():
+        if table is not None and step % 3 == 0:
+            kept.append(getattr(state, table).get(state._ordinal(net.b.weight), torch.zeros(0)).clone())
+
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + ctx.rank)
         net.zero_grad(set_to_none=True)
-        if getattr(state, "momentum", 0) and step % 3 == 0:
-            velocity.append(state._momenta.get(state._ordinal(net.b.weight), torch.zeros(0)).clone())
+        keep()
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         F.mse_loss(ddp(x, _branch(step, ctx.rank)), y).backward()
-        if getattr(state, "momentum", 0) and step % 3 == 0:
-            velocity.append(state._momenta.get(state._ordinal(net.b.weight), torch.zeros(0)).clone())
+        keep()
         for n, p in net.named_parameters():
             if p.grad is not None:
                 applied[n] += p.grad
@@ -91,7 +95,7 @@ def _conservation_worker(ctx, name):
     for n, p in net.named_parameters():
         r = state._residuals.get(state._ordinal(p))
         residual[n] = torch.zeros_like(p) if r is None else r.reshape(p.shape).clone()
-    return {"local": local, "applied": applied, "residual": residual, "velocity": velocity}
+    return {"local": local, "applied": applied, "residual": residual, "kept": kept}
 
 
 def _conservation_problems(rets, world):
@@ -117,13 +121,14 @@ def test_error_feedback_keeps_the_residual_of_an_unused_parameter(name):
     assert not problems, f"{name}: " + "; ".join(problems)
 
 
-def test_dgc_velocity_of_a_parameter_no_rank_used_is_kept():
-    """TopKState(momentum=...): a step in which no rank uses b leaves b's velocity as it
-    was (before, it decayed by the momentum, and its selected entries were sent and lost)."""
-    rets = spawn_run(_conservation_worker, 2, args=("topk-momentum",), make_ref=False, timeout_s=120,
+@pytest.mark.parametrize("name", ["topk-momentum", "powersgd"])
+def test_velocity_and_warm_start_of_a_parameter_no_rank_used_are_kept(name):
+    """TopKState(momentum=...): a step in which no rank uses b leaves b's velocity as it was
+    (before, it decayed by the momentum, and its selected entries were sent and lost).
+    PowerSGD: b's warm-start Q stays (before, it became zero: M Q was zero on every rank)."""
+    rets = spawn_run(_conservation_worker, 2, args=(name,), make_ref=False, timeout_s=120,
                      pg_timeout_s=60).check().returns
-    rets = [rets[r] for r in sorted(rets)]
-    for r in rets:
-        _, _, before, after = r["velocity"]  # steps 0 and 3: only a is used, on both ranks
-        assert before.abs().sum() > 0, "b's velocity should hold steps 1 and 2"
-        assert torch.equal(before, after), f"b's velocity changed by {(after - before).norm():.3g}"
+    for rank, r in rets.items():
+        _, _, before, after = r["kept"]  # steps 0 and 3: only a is used, on both ranks
+        assert before.abs().sum() > 0, f"rank {rank}: b's state should hold steps 1 and 2"
+        assert torch.equal(before, after), f"rank {rank}: b's state changed by {(after - before).norm():.3g}"
