@@ -76,6 +76,7 @@ __all__ = [
     "powersgd_hook",
     "fp16_wrapper",
     "bf16_wrapper",
+    "rank_state",
 ]
 
 _ALGORITHMS = ("auto", "ring", "tree", "sharded")
@@ -1569,9 +1570,10 @@ def _powersgd_start(state: PowerSGDState, bucket, buffer: torch.Tensor, group, w
                 q = second[at: at + m * r].view(m, r).div_(world)
                 at += m * r
                 buffer[offset: offset + n * m].view(n, m).copy_(torch.matmul(p_hat, q.t()))
-                if state.warm_start and (q.any() or ordinal not in state._qs):
+                if state.warm_start and q.any():
                     # q is zero when no rank had anything for the parameter (unused by all):
-                    # the last Q stays, rather than restarting the power iteration from zero
+                    # the last Q (or the seeded initial one) stays, rather than restarting
+                    # the power iteration from a QR of zeros
                     state._qs[ordinal] = q.clone()
             result.set_result(buffer)
             gate.set_result(None)

@@ -24,7 +24,9 @@ def _configs():
     return {
         "topk": lambda: (H.TopKState(density=0.05, exact=True), H.topk_hook),
         "topk-step": lambda: (H.TopKState(density=0.05, exact=True, schedule="step"), H.topk_hook),
-        "topk-hosts": lambda: (H.TopKState(density=0.05, exact=True, hosts=[[0, 1]]), H.topk_hook),
+        # 3 ranks: hosts {0, 1} and {2}; the leaders (0 and 2) hold the residuals of their hosts' sums
+        "topk-hosts": lambda: (H.TopKState(density=0.05, exact=True, hosts=[[0, 1], [2]]), H.topk_hook),
+        "quantize-hosts": lambda: (H.QuantizeState(bits=4, block=32, hosts=[[0, 1], [2]]), H.quantize_hook),
         "topk-allgather": lambda: (H.TopKState(density=0.05, exact=True, exchange="allgather"), H.topk_hook),
         "quantize": lambda: (H.QuantizeState(bits=4, block=32), H.quantize_hook),
         "quantize-allgather": lambda: (H.QuantizeState(bits=4, block=32, exchange="allgather"), H.quantize_hook),
@@ -34,7 +36,8 @@ def _configs():
 
 
 def _branch(step: int, rank: int) -> str:
-    """Both ranks use a, both use b, or each its own (a used locally, unused globally)."""
+    """Every rank uses a, every rank uses b, or rank 0 uses a and the others b (so each is
+    unused on some rank and used by another)."""
     return ("a", "b", "a" if rank == 0 else "b")[step % 3]
 
 
@@ -56,10 +59,14 @@ def _net():
 
 
 def _conservation_worker(ctx, name):
+    if "hosts" in name:
+        assert ctx.world_size == 3
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     state, hook = _configs()[name]()
+    if "hosts" in name:
+        assert state._hosts is not None, "the hosts exchange should run"
     net = _net()
     ddp = DDP(net, find_unused_parameters=True)
     names = {id(p): n for n, p in net.named_parameters()}
@@ -103,7 +110,7 @@ def _conservation_problems(rets, world):
     for n in rets[0]["local"]:
         local = sum(r["local"][n] for r in rets)
         kept = world * rets[0]["applied"][n] + sum(r["residual"][n] for r in rets)
-        if not torch.equal(rets[0]["applied"][n], rets[1]["applied"][n]):
+        if not all(torch.equal(rets[0]["applied"][n], r["applied"][n]) for r in rets):
             problems.append(f"{n}: the ranks applied different gradients")
         off = (local - kept).norm() / local.norm()
         if off > 1e-4:
@@ -112,12 +119,13 @@ def _conservation_problems(rets, world):
 
 
 @pytest.mark.parametrize("name", ["topk", "topk-step", "topk-hosts", "topk-allgather", "quantize",
-                                  "quantize-allgather", "powersgd"])
+                                  "quantize-hosts", "quantize-allgather", "powersgd"])
 def test_error_feedback_keeps_the_residual_of_an_unused_parameter(name):
-    rets = spawn_run(_conservation_worker, 2, args=(name,), make_ref=False, timeout_s=120,
+    world = 3 if "hosts" in name else 2
+    rets = spawn_run(_conservation_worker, world, args=(name,), make_ref=False, timeout_s=120,
                      pg_timeout_s=60).check().returns
     rets = [rets[r] for r in sorted(rets)]
-    problems = _conservation_problems(rets, 2)
+    problems = _conservation_problems(rets, world)
     assert not problems, f"{name}: " + "; ".join(problems)
 
 
@@ -129,6 +137,8 @@ def test_velocity_and_warm_start_of_a_parameter_no_rank_used_are_kept(name):
     rets = spawn_run(_conservation_worker, 2, args=(name,), make_ref=False, timeout_s=120,
                      pg_timeout_s=60).check().returns
     for rank, r in rets.items():
-        _, _, before, after = r["kept"]  # steps 0 and 3: only a is used, on both ranks
+        _, first, before, after = r["kept"]  # steps 0 and 3: only a is used, on both ranks
+        if name == "powersgd":  # no Q for b before step 0: none, or a seeded one, but never zero
+            assert first.numel() == 0 or first.any(), f"rank {rank}: b's Q became zero in step 0"
         assert before.abs().sum() > 0, f"rank {rank}: b's state should hold steps 1 and 2"
         assert torch.equal(before, after), f"rank {rank}: b's state changed by {(after - before).norm():.3g}"
