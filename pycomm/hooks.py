@@ -48,6 +48,7 @@ read back with ``torch.load(..., weights_only=True)``), each rank's tensors unde
 naming the rank; ``load_state_dict`` restores residuals and the step counter, and refuses
 another rank's state or one saved at another world size.
 """
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -153,6 +154,30 @@ def _compressed_collective(group, kind: str) -> Optional[Callable]:
     return run
 
 
+def _aborts_group_on_error(op: str) -> Callable[[Callable], Callable]:
+    """Wraps a hook: when it raises on this rank, a pycomm group is aborted first, telling
+    the peers why. A hook that raises before its collective is issued (a residual of the
+    wrong size after one rank loaded another model's state, say) otherwise leaves the
+    other ranks waiting in that collective until the group's timeout; now they fail at once
+    with "rank R aborted the group: its topk_hook raised ValueError: ...". The group is of
+    no further use either way: the ranks' calls no longer line up. Other backends cannot
+    be aborted from here; their ranks wait as before."""
+    def wrap(hook: Callable) -> Callable:
+        @functools.wraps(hook)  # keeps the annotations DDP checks (inspect follows __wrapped__)
+        def run(state, bucket):
+            try:
+                return hook(state, bucket)
+            except TypeError:
+                raise  # a state of the wrong type: every rank's alike, and the group stays usable
+            except Exception as exc:
+                backend = _pycomm_backend(getattr(state, "process_group", None))
+                if backend is not None:
+                    backend.abort_with_reason(f"its {op} raised {type(exc).__name__}: {exc}")
+                raise
+        return run
+    return wrap
+
+
 def _copied_into(buffer: torch.Tensor):
     def finish(fut):
         buffer.copy_(_future_tensor(fut))  # re-raises a failed collective
@@ -245,6 +270,7 @@ class AllreduceState:
         self.step = int(state.get("step", 0))
 
 
+@_aborts_group_on_error("allreduce_hook")
 def allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     """Dense gradient averaging (the same numbers as DDP without a hook). ``state``: an
     :class:`AllreduceState`, a process group, or None (default group)."""
@@ -746,6 +772,7 @@ def _start_compressed(name, state, state_class, bucket, kind):
     return buffer, group, world, step, segments, done
 
 
+@_aborts_group_on_error("topk_hook")
 def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket, "topk")
@@ -849,6 +876,7 @@ class QuantizeState(_CompressionState):
                 "exchange": self.exchange, "hosts": _hosts_config(self.hosts)}
 
 
+@_aborts_group_on_error("quantize_hook")
 def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Blockwise-quantized gradient averaging with error feedback (see the module docstring)."""
     buffer, group, world, step, segments, done = _start_compressed("quantize_hook", state, QuantizeState, bucket,
@@ -1505,6 +1533,7 @@ def _orthonormal_columns(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
+@_aborts_group_on_error("powersgd_hook")
 def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Rank-r PowerSGD gradient averaging with error feedback and warm start (see
     :class:`PowerSGDState` and docs/compression.md). Two all-reduces per bucket on the

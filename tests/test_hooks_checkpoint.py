@@ -140,3 +140,48 @@ def test_a_state_saved_before_ranks_were_recorded_loads_with_a_warning():
     with pytest.warns(UserWarning, match="did not record the rank"):
         s.load_state_dict(legacy)
     assert s.step == 7 and torch.equal(s._residuals[0], torch.ones(3))
+
+
+def _raising_worker(ctx, name, directory):
+    """Rank 1's state holds a residual of the wrong size (loaded from another model, say):
+    its hook raises before issuing its collective, while rank 0 issues its own. Rank 1 then
+    stays (a training loop that handles the error, say) until rank 0 is done or 45 s pass:
+    leaving would shut its group down and tell rank 0 anyway."""
+    import time
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ddp = DDP(net)
+    state, hook = _configs()[name]()
+    if ctx.rank == 1:
+        state._residuals[state._ordinal(net[2].weight)] = torch.zeros(3)  # a matrix: PowerSGD compresses it
+    ddp.register_comm_hook(state, hook)
+    start = time.monotonic()
+    done = os.path.join(directory, "rank0-done")
+    try:
+        F.mse_loss(ddp(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+        out = {"error": None}
+    except Exception as e:  # noqa: BLE001
+        out = {"error": f"{type(e).__name__}: {e}"}
+    out["seconds"] = time.monotonic() - start
+    if ctx.rank == 0:
+        open(done, "w").close()
+    else:
+        while not os.path.exists(done) and time.monotonic() < start + 45:
+            time.sleep(0.1)
+    return out
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd"])
+def test_a_hook_that_raises_on_one_rank_fails_the_others_at_once(name, tmp_path):
+    """Before, rank 0 waited in its collective until rank 1 left or the group's timeout."""
+    rets = spawn_run(_raising_worker, 2, args=(name, str(tmp_path)), make_ref=False, timeout_s=120,
+                     pg_timeout_s=60).check().returns
+    assert "has 3 elements" in rets[1]["error"], rets[1]
+    assert rets[0]["error"] is not None and "rank 1 aborted the group" in rets[0]["error"], rets[0]
+    assert "raised ValueError" in rets[0]["error"], rets[0]["error"]
+    assert rets[0]["seconds"] < 20, f"rank 0 learnt of it after {rets[0]['seconds']:.1f} s"

@@ -69,6 +69,9 @@ PYBIND11_MODULE(_C, m) {
       .def("select_algorithm", &ProcessGroupPycomm::selectAlgorithm, py::arg("nbytes"))
       .def("last_algorithm", &ProcessGroupPycomm::lastAlgorithm)
       .def("failure", &ProcessGroupPycomm::failure)
+      .def("abort_with_reason", &ProcessGroupPycomm::abortWithReason, py::arg("reason"),
+           py::call_guard<py::gil_scoped_release>(),
+           "abort(), telling the peers why (they fail with 'rank R aborted the group: <reason>')")
       .def("bytes_sent", &ProcessGroupPycomm::bytesSent)
       .def("bytes_received", &ProcessGroupPycomm::bytesReceived)
       .def("flight_recorder",

@@ -192,8 +192,10 @@ void ProcessGroupPycomm::shutdown() {
   }
 }
 
-void ProcessGroupPycomm::abort() {
-  group_->fail("pycomm: the process group was aborted", "the process group was aborted");
+void ProcessGroupPycomm::abort() { abortWithReason("the process group was aborted"); }
+
+void ProcessGroupPycomm::abortWithReason(const std::string& reason) {
+  group_->fail("pycomm: " + reason, reason);
   stopWorker();
 }
 

@@ -59,6 +59,10 @@ class ProcessGroupPycomm : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
   void abort() override;
+  // abort() telling the peers why: they fail with "rank R aborted the group: <reason>"
+  // (the hooks use it when they raise before their collective, so the peers do not wait
+  // in it until the timeout).
+  void abortWithReason(const std::string& reason);
   // Sequence numbers (torch's desync checks, object collectives on subgroups):
   // every rank counts the collectives it submitted, starting from 0, so the
   // counts agree while the ranks make the same calls. Point-to-point is not counted.
