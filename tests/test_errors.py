@@ -68,8 +68,11 @@ CASES = {
     "all_reduce unsupported dtype uint16": (
         "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16), async_op=True)),
     "all_reduce unsupported dtype complex64 (ProcessGroup API)": ("allreduce", _direct_allreduce_complex),
-    "reduce unsupported dtype complex64": (
-        "reduce", lambda: dist.reduce(torch.ones(4, dtype=torch.complex64), dst=0, async_op=True)),
+    # (complex SUM / AVG are reduced as (re, im) pairs: tests/test_dtype_parity.py)
+    "reduce_scatter_tensor complex64 MAX": (
+        "reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(4, dtype=torch.complex64),
+                                                           torch.ones(4 * WORLD, dtype=torch.complex64),
+                                                           op=dist.ReduceOp.MAX, async_op=True)),
     "broadcast into an expand()ed tensor": (
         "broadcast", lambda: dist.broadcast(torch.ones(4, 1).expand(4, 4), src=0, async_op=True)),
     "all_gather output list with a wrong-size tensor": (

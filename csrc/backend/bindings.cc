@@ -69,6 +69,12 @@ PYBIND11_MODULE(_C, m) {
       .def("select_algorithm", &ProcessGroupPycomm::selectAlgorithm, py::arg("nbytes"))
       .def("last_algorithm", &ProcessGroupPycomm::lastAlgorithm)
       .def("failure", &ProcessGroupPycomm::failure)
+      // gloo's names: torch's _set_pg_timeout reaches only gloo and NCCL groups, so code
+      // that sets a timeout on a backend object calls these (set_timeout is torch's own)
+      .def("_set_default_timeout",
+           [](ProcessGroupPycomm& pg, std::chrono::milliseconds timeout) { pg.setTimeout(timeout); },
+           py::arg("timeout"))
+      .def_property_readonly("options", &ProcessGroupPycomm::getBackendOptions)
       .def("abort_with_reason", &ProcessGroupPycomm::abortWithReason, py::arg("reason"),
            py::call_guard<py::gil_scoped_release>(),
            "abort(), telling the peers why (they fail with 'rank R aborted the group: <reason>')")

@@ -530,7 +530,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
   return runOnDevice("reduce", getRank(), Dispatch::kQueued, opts.asyncOp,
                      declare(role::inout(tensors)),
                      [&](const Launch& launch, Tensors& tensors) {
-    const at::Tensor& t = single("reduce", tensors);
+    const Tensors pairs = complexAsPairs("reduce", tensors, opts.reduceOp);  // the same memory
+    const at::Tensor& t = single("reduce", pairs);
     const DataType dtype = toDataType("reduce", t.scalar_type());
     const ReduceOp op = toReduceOp("reduce", opts.reduceOp, dtype);
     const std::optional<double> premul = premulFactor(opts.reduceOp);
@@ -740,17 +741,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   return runOnDevice("reduce_scatter", getRank(), Dispatch::kQueued, opts.asyncOp,
                      declare(role::out(outputs), role::in(inputs)),
                      [&](const Launch& launch, Tensors& outputs, std::vector<Tensors>& inputs) {
-    const at::Tensor& output = single("reduce_scatter", outputs);
+    const Tensors outs = complexAsPairs("reduce_scatter", outputs, opts.reduceOp);  // the same memory
+    const at::Tensor& output = single("reduce_scatter", outs);
     const DataType dtype = toDataType("reduce_scatter", output.scalar_type());
     const ReduceOp op = toReduceOp("reduce_scatter", opts.reduceOp, dtype);
     const std::optional<double> premul = premulFactor(opts.reduceOp);
     if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
       usageError(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
             " tensors");
-    for (size_t i = 0; i < inputs[0].size(); ++i)
-      checkLike("reduce_scatter", inputs[0][i], output, output.numel(),
-                "input tensor " + std::to_string(i));
-    Tensors ins = inputs[0];
+    Tensors ins = complexAsPairs("reduce_scatter", inputs[0], opts.reduceOp);
+    for (size_t i = 0; i < ins.size(); ++i)
+      checkLike("reduce_scatter", ins[i], output, output.numel(), "input tensor " + std::to_string(i));
     return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
                    [ins, output, dtype, op, premul](Comm& c) {
                      reduceScatterInto(c, ins, output, dtype, op, premul);
@@ -766,17 +767,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
                      declare(role::out(output), role::in(input)),
                      [&](const Launch& launch, at::Tensor& output, at::Tensor& input) {
     const char* name = "reduce_scatter_tensor";
-    const DataType dtype = checkTensor(name, output);
+    // the same memory as the caller's (complex tensors: their (re, im) pairs)
+    at::Tensor in = complexAsPairs(name, input, opts.reduceOp), out = complexAsPairs(name, output, opts.reduceOp);
+    const DataType dtype = checkTensor(name, out);
     const ReduceOp op = toReduceOp(name, opts.reduceOp, dtype);
     const std::optional<double> premul = premulFactor(opts.reduceOp);
-    checkLike(name, input, output, output.numel() * getSize(), "input tensor");
-    at::Tensor in = input, out = output;
+    checkLike(name, in, out, out.numel() * getSize(), "input tensor");
     return enqueue(name, OpType::_REDUCE_SCATTER_BASE, {output},
                    [in, out, dtype, op, premul](Comm& c) {
                      reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op, premul);
                    },
                    opts.timeout, launch,
-                   signature(name, &output, -1, static_cast<int>(op)));
+                   signature(name, &out, -1, static_cast<int>(op)));
   });
 }
 
@@ -910,7 +912,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::pointToPoint(const char* op, 
   return runOnDevice(op, getRank(), Dispatch::kDirect, /*asyncOp=*/true,
                      declare(Declared<Tensors>{isSend ? Role::kIn : Role::kOut, tensors}),
                      [&](const Launch&, Tensors& tensors) {
-    const at::Tensor& t = single(op, tensors);
+    const at::Tensor& t = singleOfAnyDtype(op, tensors);
     if (peer != kAnySource) {
       checkRank(op, peer, getSize(), isSend ? "destination rank" : "source rank");
       if (peer == getRank()) usageError(where(op) + "a rank cannot " + op + " to itself");

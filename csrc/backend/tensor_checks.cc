@@ -56,6 +56,36 @@ const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors)
   return tensors[0];
 }
 
+const at::Tensor& singleOfAnyDtype(const char* op, const std::vector<at::Tensor>& tensors) {
+  if (tensors.size() != 1)
+    usageError(where(op) + "expected exactly one tensor, got " + std::to_string(tensors.size()));
+  const at::Tensor& t = tensors[0];
+  if (!t.defined()) usageError(where(op) + "got an undefined tensor");
+  checkStrided(op, t);
+  if (!t.device().is_cpu())
+    usageError(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
+               " (pycomm is registered for cpu)");
+  checkContiguous(op, t);
+  return t;
+}
+
+at::Tensor complexAsPairs(const char* op, const at::Tensor& t, const c10d::ReduceOp& reduceOp) {
+  if (!t.defined() || !t.is_complex()) return t;
+  const auto kind = reduceOp.op_;
+  if (kind != c10d::ReduceOp::SUM && kind != c10d::ReduceOp::AVG && kind != c10d::ReduceOp::PREMUL_SUM)
+    usageError(where(op) + "complex tensors are reduced with SUM, AVG or PREMUL_SUM only");
+  if (t.is_conj()) usageError(where(op) + "a conjugated view cannot be written in place (call .resolve_conj() first)");
+  return at::view_as_real(t);
+}
+
+std::vector<at::Tensor> complexAsPairs(const char* op, const std::vector<at::Tensor>& tensors,
+                                       const c10d::ReduceOp& reduceOp) {
+  std::vector<at::Tensor> result;
+  result.reserve(tensors.size());
+  for (const auto& t : tensors) result.push_back(complexAsPairs(op, t, reduceOp));
+  return result;
+}
+
 void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
                const std::string& what) {
   checkTensor(op, t);

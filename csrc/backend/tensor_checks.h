@@ -32,6 +32,18 @@ void checkContiguous(const char* op, const at::Tensor& t);
 DataType checkTensor(const char* op, const at::Tensor& t);
 // The one tensor of a single-tensor collective, checked.
 const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors);
+// The one tensor of a send or receive: checked as single() but of any dtype, since only
+// its bytes travel (as with gloo: uint16/32/64, float8 and the like included).
+const at::Tensor& singleOfAnyDtype(const char* op, const std::vector<at::Tensor>& tensors);
+// torch hands complex tensors to a backend as (re, im) pairs of reals for all_reduce,
+// broadcast, all_gather, send and the like, but not for reduce and reduce_scatter, which
+// gloo sums. For SUM, AVG and PREMUL_SUM, which act on re and im alike, these return a
+// complex tensor's pairs view (at::view_as_real: the same memory, a last dimension of 2);
+// another op on a complex tensor is a usage error, as in torch's all_reduce. Other
+// tensors come back as they are.
+at::Tensor complexAsPairs(const char* op, const at::Tensor& t, const c10d::ReduceOp& reduceOp);
+std::vector<at::Tensor> complexAsPairs(const char* op, const std::vector<at::Tensor>& tensors,
+                                       const c10d::ReduceOp& reduceOp);
 // Checked, with `like`'s dtype and `numel` elements; `what` names it in the error.
 void checkLike(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel,
                const std::string& what);
