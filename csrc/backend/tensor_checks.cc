@@ -39,13 +39,22 @@ void checkContiguous(const char* op, const at::Tensor& t) {
   if (!t.is_contiguous()) usageError(where(op) + "tensors must be contiguous (call .contiguous() first)");
 }
 
-DataType checkTensor(const char* op, const at::Tensor& t) {
+namespace {
+
+// Defined, strided, on the CPU, contiguous: what every tensor argument must be.
+void checkPlacement(const char* op, const at::Tensor& t) {
   if (!t.defined()) usageError(where(op) + "got an undefined tensor");
   checkStrided(op, t);
   if (!t.device().is_cpu())
     usageError(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
                " (pycomm is registered for cpu)");
   checkContiguous(op, t);
+}
+
+}  // namespace
+
+DataType checkTensor(const char* op, const at::Tensor& t) {
+  checkPlacement(op, t);
   return toDataType(op, t.scalar_type());
 }
 
@@ -59,14 +68,8 @@ const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors)
 const at::Tensor& singleOfAnyDtype(const char* op, const std::vector<at::Tensor>& tensors) {
   if (tensors.size() != 1)
     usageError(where(op) + "expected exactly one tensor, got " + std::to_string(tensors.size()));
-  const at::Tensor& t = tensors[0];
-  if (!t.defined()) usageError(where(op) + "got an undefined tensor");
-  checkStrided(op, t);
-  if (!t.device().is_cpu())
-    usageError(where(op) + "expected CPU tensors, got a tensor on " + t.device().str() +
-               " (pycomm is registered for cpu)");
-  checkContiguous(op, t);
-  return t;
+  checkPlacement(op, tensors[0]);
+  return tensors[0];
 }
 
 at::Tensor complexAsPairs(const char* op, const at::Tensor& t, const c10d::ReduceOp& reduceOp) {
