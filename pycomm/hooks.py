@@ -455,9 +455,12 @@ class _CompressionState:
                 else:
                     current.copy_(u.view_as(current))
 
-    def _release(self, start: Callable[[], torch.futures.Future], held: Optional[list]) -> torch.futures.Future:
-        """``start()``'s future, completing after :meth:`_restore` has put ``held`` back
-        (at once when ``start`` raises)."""
+    def _release(self, buffer: torch.Tensor, segments, start: Callable[[], torch.futures.Future]
+                 ) -> torch.futures.Future:
+        """``start()``'s future, with the bucket's unused parameters held out of it
+        (:meth:`_hold_unused`); it completes after :meth:`_restore` has put them back (at
+        once when ``start`` raises)."""
+        held = self._hold_unused(buffer, segments)
         try:
             fut = start()
         except BaseException:
@@ -536,16 +539,15 @@ class _CompressionState:
                           f"rank; whether its residuals are this rank's ({rank}) cannot be checked", stacklevel=2)
             mine = state
         else:
-            entry = state.get(f"rank{rank}")
-            if entry is None:
-                saved = sorted((k for k in state if isinstance(k, str) and k.startswith("rank")
-                                and k[4:].isdigit()), key=lambda k: int(k[4:]))
+            saved = _saved_ranks(state)
+            mine = saved.get(rank)
+            if mine is None:
+                names = ", ".join(f"rank{r}" for r in sorted(saved)) or "no rank"
                 raise ValueError(
-                    f"pycomm {self._op}: this state_dict holds the state of {', '.join(saved) or 'no rank'}, "
+                    f"pycomm {self._op}: this state_dict holds the state of {names}, "
                     f"not of rank {rank}: each rank loads the state it saved (torch.save a file per rank, "
                     f"or use torch.distributed.checkpoint, which keeps every rank's)")
-            mine = entry[0] if isinstance(entry, (tuple, list)) else entry
-            saved_world = int(mine.get("world_size", state.get("world_size", world)))
+            saved_world = int(mine["world_size"])
             if saved_world != world:
                 raise ValueError(
                     f"pycomm {self._op}: this state was saved by rank {rank} of {saved_world} ranks, and this "
@@ -574,16 +576,22 @@ class _CompressionState:
         return u.mul_(momentum).add_(grad)
 
 
+def _saved_ranks(state_dict: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
+    """The ``"rank<r>"`` entries of a compressed hook's ``state_dict()``, by rank, each
+    unwrapped from its one-element tuple."""
+    return {int(k[4:]): v[0] if isinstance(v, (tuple, list)) else v for k, v in state_dict.items()
+            if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()}
+
+
 def rank_state(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """The part of a compressed hook's ``state_dict()`` that belongs to the rank that saved
     it: ``{"rank", "world_size", "residuals", "momenta"}`` (PowerSGD: also ``"q"``), the
     tensors by parameter ordinal. For reading a checkpoint; :meth:`load_state_dict` takes
     the whole dict."""
-    entries = [v for k, v in state_dict.items() if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()]
+    entries = list(_saved_ranks(state_dict).values())
     if len(entries) != 1:
         raise ValueError(f"pycomm rank_state: expected the state of one rank, found {len(entries)}")
-    entry = entries[0]
-    return entry[0] if isinstance(entry, (tuple, list)) else entry
+    return entries[0]
 
 
 def _check_state(op: str, state, cls) -> None:
@@ -781,8 +789,7 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     if state.min_compression_rate:  # None (the default rule) sparsifies every parameter here
         raise ValueError("pycomm topk_hook: min_compression_rate needs the sparse all-reduce of a pycomm group "
                          "(exchange='auto'); the all_gather exchange sparsifies every parameter")
-    held = state._hold_unused(buffer, segments)
-    return state._release(lambda: _topk_allgather(state, buffer, group, world, step, segments), held)
+    return state._release(buffer, segments, lambda: _topk_allgather(state, buffer, group, world, step, segments))
 
 
 def _topk_allgather(state: TopKState, buffer: torch.Tensor, group, world: int, step: int, segments):
@@ -883,8 +890,8 @@ def quantize_hook(state: QuantizeState, bucket) -> torch.futures.Future[torch.Te
                                                                    "quantize")
     if done is not None:
         return done
-    held = state._hold_unused(buffer, segments)
-    return state._release(lambda: _quantize_allgather(state, buffer, group, world, step, segments), held)
+    return state._release(buffer, segments,
+                          lambda: _quantize_allgather(state, buffer, group, world, step, segments))
 
 
 def _quantize_allgather(state: QuantizeState, buffer: torch.Tensor, group, world: int, step: int, segments):
@@ -1136,8 +1143,9 @@ def _topk_pycomm(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     group of ``hosts``)."""
     if state._hosts is not None and group is None:
         return _hosts_exchange(state, buffer, world, step, segments, _topk_pycomm)
-    held = state._hold_unused(buffer, segments)  # the host's sum, on a leader
-    return state._release(lambda: _topk_sparse(backend, state, buffer, world, step, segments, group), held)
+    # (on a host leader, buffer is the host's sum)
+    return state._release(buffer, segments,
+                          lambda: _topk_sparse(backend, state, buffer, world, step, segments, group))
 
 
 def _topk_sparse(backend, state: TopKState, buffer: torch.Tensor, world: int, step: int, segments, group):
@@ -1377,8 +1385,8 @@ def _quantize_pycomm(backend, state: QuantizeState, buffer: torch.Tensor, world:
     parameter's result does not depend on the bucket layout. ``group``: as _topk_pycomm's."""
     if state._hosts is not None and group is None:
         return _hosts_exchange(state, buffer, world, step, segments, _quantize_pycomm)
-    held = state._hold_unused(buffer, segments)
-    return state._release(lambda: _quantize_twophase(backend, state, buffer, world, step, segments), held)
+    return state._release(buffer, segments,
+                          lambda: _quantize_twophase(backend, state, buffer, world, step, segments))
 
 
 def _quantize_twophase(backend, state: QuantizeState, buffer: torch.Tensor, world: int, step: int, segments):
@@ -1549,8 +1557,8 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
     segments = state._segments(bucket, buffer)
     if step < state.warmup_steps:
         return _dense_allreduce(buffer, group, world)
-    held = state._hold_unused(buffer, segments)
-    return state._release(lambda: _powersgd_start(state, bucket, buffer, group, world, step, segments), held)
+    return state._release(buffer, segments,
+                          lambda: _powersgd_start(state, bucket, buffer, group, world, step, segments))
 
 
 def _powersgd_start(state: PowerSGDState, bucket, buffer: torch.Tensor, group, world: int, step: int, segments):
