@@ -8,7 +8,8 @@ Two figures, both per rank and measured on the CPU:
   (DDP's gradient buckets, FSDP2's all-gathered layers) and the allocator's slack.
 * peak RSS growth: the process's peak resident set during the training steps (Linux
   VmHWM, reset through ``/proc/self/clear_refs`` once the model is built) minus its
-  resident set just before the model was built. Everything is in it, activations and
+  resident set just before the model was built (or once it was built, if that is lower:
+  memory freed meanwhile). Everything is in it, activations and
   buffers too, and so is noise: allocator caching, thread pools, the pages of the
   shared-memory transport the rank touches (about 90 MiB per rank for a model of 0.3 MiB
   on this project's VM).
@@ -16,6 +17,7 @@ Two figures, both per rank and measured on the CPU:
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 from typing import Any, Dict, Optional
@@ -30,25 +32,35 @@ __all__ = ["RssPeak", "memory_report", "format_bytes"]
 class RssPeak:
     """Peak resident set of this process during training, from Linux's VmHWM.
 
-    Made just before the model is built, it remembers the resident set then (``start``);
+    Made just before the model is built, it collects garbage (an earlier run's, in a
+    process that trains more than once) and remembers the resident set then (``start``).
     :meth:`reset_peak`, called once the model is built and sharded (just before the first
-    step), resets the high-water mark (``/proc/self/clear_refs`` 5), so the transient
-    whole model a rank builds before sharding it is not counted. :meth:`growth` is the
-    peak since the reset minus ``start``. None where /proc does not allow it."""
+    step), notes the resident set then and resets the high-water mark
+    (``/proc/self/clear_refs`` 5), so the transient whole model a rank builds before
+    sharding it is not counted. :meth:`growth` is the peak since the reset minus the lower
+    of the two resident sets: memory held before the model was built and freed while it
+    was built (a buffer of an earlier run, pages the allocator gave back) does not make the
+    growth negative. None where /proc does not allow it."""
 
     def __init__(self) -> None:
+        # An earlier run in this process (the test suite, a notebook) may have left garbage
+        # that only the cyclic collector frees; freed later, during the model build, it took
+        # the resident set below ``start`` and the growth came out negative.
+        gc.collect()
         try:
             self.start: Optional[int] = self._read("VmRSS")
         except (OSError, AttributeError):
             self.start = None
+        self.at_reset = self.start
 
     def reset_peak(self) -> None:
         if self.start is None:
             return
         try:
+            self.at_reset = self._read("VmRSS")
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")
-        except OSError:
+        except (OSError, AttributeError):
             self.start = None
 
     @staticmethod
@@ -61,7 +73,7 @@ class RssPeak:
         if self.start is None:
             return None
         try:
-            return self._read("VmHWM") - self.start
+            return self._read("VmHWM") - min(self.start, self.at_reset)
         except (OSError, AttributeError):
             return None
 
