@@ -12,7 +12,6 @@ sequence (starting ranks costs seconds); dropout is 0 so the runs are determinis
 
 from __future__ import annotations
 
-import gc
 import warnings
 
 import pytest
@@ -60,12 +59,7 @@ def parallel_worker(ctx, runs, references):
         ctx.progress(f"reference {name}")
         out[name] = _train(_cfg(**changes), single, single_control)
     dist.barrier()
-    # The interpreter's last garbage collection at exit walks every object the engines
-    # (DTensor, FSDP2, pipelining) imported and built; on 4 ranks sharing 2 busy cores it
-    # took longer than mp_util's 10 s exit grace (py-spy: gc_collect_main at finalisation).
-    # Frozen objects are left out of that collection.
-    gc.freeze()
-    return out
+    return out  # mp_util freezes the objects the engines built (its exit grace)
 
 
 def _collect(rets, world_size):
@@ -148,8 +142,12 @@ def test_fsdp_tp_pp_match_single_process_on_two_ranks():
     adamw = rets[0]["fsdp_adamw"]["memory"]
     mlp = refs["ref_mlp16_adamw"]["params"].numel() * 4
     assert sum(m["optimizer"] for m in adamw) == 2 * mlp  # exp_avg and exp_avg_sq, sharded
+    # peak-RSS growth (measured, tests/test_train_memory.py): ddp, the first run in the
+    # process, touches the shared-memory arena's pages for the first time; a later run of 3
+    # steps may reuse pages an earlier one left resident and add none
     growth = {run: [m["rss_peak_growth"] for m in mem] for run, mem in memory.items()}
-    assert all(g is None or g > 0 for gs in growth.values() for g in gs), growth
+    if growth["ddp"][0] is not None:
+        assert all(g > full for g in growth["ddp"]) and all(g >= 0 for gs in growth.values() for g in gs), growth
     # every rank gathered the same memory table
     assert rets[1]["fsdp"]["memory"] == memory["fsdp"]
 
