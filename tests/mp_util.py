@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -215,6 +216,22 @@ class WorkerContext:
     def timeout(self, seconds: float | None = None) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.pg_timeout_s if seconds is None else seconds)
 
+    # -- waiting without the group (it may be broken) ----------------------
+    def mark_done(self, tag: str = "done") -> None:
+        """Tell the other ranks (through a file in this run's tmpdir) that this rank is done."""
+        open(os.path.join(self.tmpdir, f"rank{self.rank}-{tag}"), "w").close()
+
+    def wait_done(self, rank: int, limit_s: float, tag: str = "done") -> bool:
+        """Stay until ``rank`` has called mark_done(tag), or ``limit_s`` seconds pass; a rank
+        that left instead would shut its groups down and so tell the others. True if done."""
+        flag = os.path.join(self.tmpdir, f"rank{rank}-{tag}")
+        deadline = time.monotonic() + limit_s
+        while not os.path.exists(flag):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def abrupt_exit(self, value: Any = None) -> None:
         """Report ``value`` as this rank's result and leave at once with
         os._exit(0), without destroying the process group (simulates a peer
@@ -282,6 +299,11 @@ def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_tim
         ctx = WorkerContext(rank, world_size, backend, ref, tmpdir, pg_timeout_s, q)
         result = fn(ctx, *args)
         q.put(("return", rank, pickle.dumps(result)))
+        # The interpreter's last garbage collection at exit walks every object the worker
+        # imported and built; after a run of the engines (DTensor, FSDP2, pipelining) on 4
+        # ranks sharing 2 busy cores it took longer than spawn_run's exit_timeout_s (py-spy:
+        # gc_collect_main at finalisation). Frozen objects are left out of that collection.
+        gc.freeze()
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
         # Leave without tearing down: peers see this rank as gone.

@@ -75,8 +75,7 @@ def test_send_and_recv_move_any_dtype(backend):
         assert got == sent, name
 
 
-def _timeout_worker(ctx, directory):
-    import os
+def _timeout_worker(ctx):
     import time
 
     import torch.distributed as dist
@@ -84,25 +83,23 @@ def _timeout_worker(ctx, directory):
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     backend._set_default_timeout(datetime.timedelta(seconds=2))
     out = {"timeout": backend.options._timeout.total_seconds()}
-    done = os.path.join(directory, "rank0-done")
-    start = time.monotonic()
     if ctx.rank == 0:
+        start = time.monotonic()
         try:
             dist.all_reduce(torch.ones(4))  # rank 1 does not take part
             out["error"] = None
         except Exception as e:  # noqa: BLE001
             out["error"] = str(e)
         out["seconds"] = time.monotonic() - start
-        open(done, "w").close()
+        ctx.mark_done()
     else:
-        while not os.path.exists(done) and time.monotonic() < start + 30:
-            time.sleep(0.1)
+        ctx.wait_done(0, limit_s=30)
     return out
 
 
 @pytest.mark.parametrize("backend", ["pycomm", "gloo"])
-def test_default_timeout_set_through_the_backend_object(backend, tmp_path):
-    rets = spawn_run(_timeout_worker, 2, backend=backend, args=(str(tmp_path),), make_ref=False, timeout_s=90,
+def test_default_timeout_set_through_the_backend_object(backend):
+    rets = spawn_run(_timeout_worker, 2, backend=backend, make_ref=False, timeout_s=90,
                      pg_timeout_s=60).check().returns
     assert rets[0]["timeout"] == 2.0 and rets[1]["timeout"] == 2.0
     assert rets[0]["error"] is not None, "the all-reduce without rank 1 should time out"

@@ -242,8 +242,12 @@ def _absent_rank_worker(rank, world, q, rdzv_dir):
     os.environ["PYCOMM_CHECK"] = "0"  # the collective itself, not the call check, must time out
     results = {}
     for i, name in enumerate(_ABSENT_RANK_OPS):
+        # The rendezvous waits up to 30 s (the ranks start, and leave the previous op's
+        # group, seconds apart on a loaded machine); the collective then waits 1 s.
         dist.init_process_group("pycomm", init_method=f"file://{rdzv_dir}/op{i}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=1))
+                                world_size=world, timeout=datetime.timedelta(seconds=30))
+        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))._set_default_timeout(
+            datetime.timedelta(seconds=1))
         if rank == world - 1:
             results[name] = "absent"
         else:

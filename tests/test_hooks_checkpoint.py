@@ -142,7 +142,7 @@ def test_a_state_saved_before_ranks_were_recorded_loads_with_a_warning():
     assert s.step == 7 and torch.equal(s._residuals[0], torch.ones(3))
 
 
-def _raising_worker(ctx, name, directory):
+def _raising_worker(ctx, name):
     """Rank 1's state holds a residual of the wrong size (loaded from another model, say):
     its hook raises before issuing its collective, while rank 0 issues its own. Rank 1 then
     stays (a training loop that handles the error, say) until rank 0 is done or 45 s pass:
@@ -161,7 +161,6 @@ def _raising_worker(ctx, name, directory):
         state._residuals[state._ordinal(net[2].weight)] = torch.zeros(3)  # a matrix: PowerSGD compresses it
     ddp.register_comm_hook(state, hook)
     start = time.monotonic()
-    done = os.path.join(directory, "rank0-done")
     try:
         F.mse_loss(ddp(torch.randn(8, 16)), torch.randn(8, 4)).backward()
         out = {"error": None}
@@ -169,17 +168,16 @@ def _raising_worker(ctx, name, directory):
         out = {"error": f"{type(e).__name__}: {e}"}
     out["seconds"] = time.monotonic() - start
     if ctx.rank == 0:
-        open(done, "w").close()
+        ctx.mark_done()
     else:
-        while not os.path.exists(done) and time.monotonic() < start + 45:
-            time.sleep(0.1)
+        ctx.wait_done(0, limit_s=45)
     return out
 
 
 @pytest.mark.parametrize("name", ["topk", "powersgd"])
-def test_a_hook_that_raises_on_one_rank_fails_the_others_at_once(name, tmp_path):
+def test_a_hook_that_raises_on_one_rank_fails_the_others_at_once(name):
     """Before, rank 0 waited in its collective until rank 1 left or the group's timeout."""
-    rets = spawn_run(_raising_worker, 2, args=(name, str(tmp_path)), make_ref=False, timeout_s=120,
+    rets = spawn_run(_raising_worker, 2, args=(name,), make_ref=False, timeout_s=120,
                      pg_timeout_s=60).check().returns
     assert "has 3 elements" in rets[1]["error"], rets[1]
     assert rets[0]["error"] is not None and "rank 1 aborted the group" in rets[0]["error"], rets[0]

@@ -220,22 +220,27 @@ def test_crowded_ranks_spread_over_their_cpus():
     such a 3:1 placement alone). The arena moves the crowded rank (once, by
     pinning and restoring the mask), never a rank the user pinned."""
     # The 3:1 start is set up by pinning, but the kernel may balance the ranks itself before
-    # they look (seen once in CI: [0, 0, 1, 1]); then there is nothing to move, so set it up again
+    # they look (seen once in CI: [0, 0, 1, 1]); then there is nothing to move, so set it up
+    # again. The outcome is the kernel's placement too (another task on the VM, steal time):
+    # a run that misses the 90% below is tried again, 3 runs in all; without the move every
+    # run misses it (2:2 after 0 to 116 of 200 calls in four runs).
+    balanced = None
     for attempt in range(3):
         res = spawn_run(_crowded_ranks, 4, env={"PYCOMM_TRANSPORT": "shm"}, make_ref=False,
                         timeout_s=120, pg_timeout_s=30).check()
         outs = [res.returns[r] for r in range(4)]
         assert all(o["pinned_cpu"] == 0 and o["pinned_mask"] == [0] for o in outs), outs
-        if [o["start_cpu"] for o in outs] == [0, 0, 0, 1]:
+        if [o["start_cpu"] for o in outs] != [0, 0, 0, 1]:
+            continue
+        assert all(o["ok"] and o["spread_mask"] == [0, 1] for o in outs), outs
+        # After call i every rank has finished call i - 1: compare placements call by
+        # call over the last 200 calls. The kernel may undo a move for a while (its
+        # load figures lag), so 90%, not all, must see 2:2.
+        balanced = sum(sorted(sum(o["cpus"][i] == c for o in outs) for c in (0, 1)) == [2, 2]
+                       for i in range(200, 400))
+        if balanced >= 180:
             break
-    assert [o["start_cpu"] for o in outs] == [0, 0, 0, 1], outs  # the crowding took (in 3 attempts)
-    assert all(o["ok"] and o["spread_mask"] == [0, 1] for o in outs), outs
-    # After call i every rank has finished call i - 1: compare placements call by
-    # call over the last 200 calls. The kernel may undo a move for a while (its
-    # load figures lag), so 90%, not all, must see 2:2; without the move
-    # 2:2 was seen after 0 to 116 of them in four runs.
-    balanced = sum(sorted(sum(o["cpus"][i] == c for o in outs) for c in (0, 1)) == [2, 2]
-                   for i in range(200, 400))
+    assert balanced is not None, outs  # the crowding took (in 3 attempts)
     assert balanced >= 180, (f"ranks ran 2:2 over CPUs 0 and 1 after only {balanced} of the last 200 "
                              f"calls; CPUs of calls 200..210 by rank: {[o['cpus'][200:210] for o in outs]}")
 

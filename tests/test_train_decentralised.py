@@ -115,8 +115,9 @@ def test_decentralised_two_ranks():
     assert r0["straggler"]["slept_s"] == 0.0
     slept, compute = r1["straggler"]["slept_s"], r1["straggler"]["straggler_compute_s"]
     assert 3.99 * compute <= slept <= 4.0 * compute + 30 * 0.1, (slept, compute)  # sleep overshoots a little
-    per_step = r0["straggler"]["wall_s"] / 30, r0["sync"]["wall_s"] / 60
-    assert per_step[0] > 1.5 * per_step[1], per_step
+    # rank 0 waited out rank 1's sleeps (each comes before the step's all-reduce): figures of
+    # the same run (comparing with the sync run's wall time added that run's noise)
+    assert r0["straggler"]["wall_s"] >= 0.9 * slept, (r0["straggler"]["wall_s"], slept)
     assert r0["straggler"]["losses"] == r0["sync"]["losses"][:30]  # slower, not different
 
     # fedavg resumed mid-round continues exactly (shards, participants, global model, RNG)
