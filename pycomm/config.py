@@ -88,10 +88,11 @@ ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_S
 ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
 # The constants of the cost model (csrc/common/cost_model.h), as named in Python.
-COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta")
+COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta", "cpu_beta_oneway")
 # Fields a calibration made before they existed may lack, and what they then are
-# (cpu_beta 0: the link's beta stood for the TCP copies too).
-_COST_FIELD_DEFAULTS = {"cpu_beta": 0.0}
+# (cpu_beta 0: the link's beta stood for the TCP copies too; cpu_beta_oneway 0: half of
+# cpu_beta).
+_COST_FIELD_DEFAULTS = {"cpu_beta": 0.0, "cpu_beta_oneway": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -372,6 +372,16 @@ def _hook_rows(iters: int = 3) -> List[dict]:
         return run_benchmark(cfg).rows
 
 
+def _one_way(tree: Sequence[Tuple[float, float]], gamma: float) -> float:
+    """cpu_beta_oneway from the 2-rank tree's large sizes: its slope is 2 w + gamma (S up,
+    reduced at rank 0, then S down, one way at a time). Measured because a one-way stream
+    is not twice as fast per byte as the two-way exchange cpu_beta is fitted to: the model
+    that assumed it charged the tree 6-35% too little (docs/planner.md)."""
+    large = [(s, t) for s, t in tree if s >= LARGE_MIN]
+    slope = _fit_line(large if len(large) >= 2 else list(tree))[1]
+    return max((slope - gamma) / 2.0, 1e-12)
+
+
 def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
               rounds: int = CALIBRATION_ROUNDS) -> dict:
     """Measure this host's constants (2 ranks); returns the calibration (model, codec,
@@ -383,12 +393,15 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
     # 2-rank ring (allreduce_registry.cc), beta 0: 2 alpha + S cpu_beta + S/2 gamma.
     tcp = _median_points([_sweep("ring", "tcp", max_bytes, iters) for _ in range(rounds)])
     a, b = _fit_regimes(tcp)
+    # 2-rank tree (one way up, then one way down): 2 alpha + S (2 cpu_beta_oneway + gamma).
+    tree_from = min(LARGE_MIN, max(max_bytes // 16, 1))
+    tree = _median_points([_sweep("tree", "tcp", max_bytes, iters, min_bytes=tree_from) for _ in range(rounds)])
     # 2-rank shm: 2 shm_alpha + S shm_beta + S/2 gamma.
     shm = _median_points([_sweep("shm", "auto", max_bytes, iters) for _ in range(rounds)])
     sa, sb = _fit_regimes(shm)
     model = {"alpha": max(a / 2.0, 1e-7), "beta": 0.0, "gamma": gamma, "delta": DEFAULT_MODEL["delta"],
              "shm_alpha": max(sa / 2.0, 1e-8), "shm_beta": max(sb - gamma / 2.0, 1e-13),
-             "cpu_beta": max(b - gamma / 2.0, 1e-12)}
+             "cpu_beta": max(b - gamma / 2.0, 1e-12), "cpu_beta_oneway": _one_way(tree, gamma)}
     # One TCP stream (one socket per peer, one I/O thread): cpu_beta is its time per byte
     # over loopback, so 8 / cpu_beta bit/s is what one stream moves here (pycomm.streams).
     # The ring at the largest size with 2 and 4 streams shows what more streams do on this host.
@@ -396,7 +409,8 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
     for count in (2, 4):
         streams["ring_seconds"][str(count)] = _sweep("ring", "tcp", max_bytes, iters, count, max_bytes)[-1][1]
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "model": model, "codec": codec, "points": {"ring_tcp": tcp, "shm": shm}, "streams": streams,
+                   "model": model, "codec": codec, "points": {"ring_tcp": tcp, "tree_tcp": tree, "shm": shm},
+                   "streams": streams,
                    "note": "beta 0: TCP loopback has no link limit, cpu_beta is its cost per byte; "
                            "delta is the built-in default (not measured: it needs 3+ ranks); codec: seconds "
                            "per byte of a compressed hook's call on one bucket, 2 ranks over TCP, 1-64 MiB"}
@@ -411,6 +425,8 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
 
 
 def _fmt_const(name: str, value: float) -> str:
+    if name == "cpu_beta_oneway" and value <= 0:
+        return "cpu_beta / 2 (not measured)"
     if "beta" in name or name == "gamma":
         return f"{1.0 / value / 1e9:.2f} GB/s" if value > 0 else "0 (free)"
     return f"{value * 1e6:.1f} us"
@@ -488,9 +504,10 @@ LINKS = [(100.0, 5e-6), (10.0, 20e-6)]  # Gbit/s, one-way latency between hosts
 
 def _network_only(model: Dict[str, float]) -> Dict[str, float]:
     """The extrapolation's model: this host's per-message overhead, reduction and
-    shared-memory constants, but no TCP copy cost per byte (cpu_beta 0): one TCP stream
-    on this small VM moves about 1 GB/s, which says nothing of a 100 Gbit/s host."""
-    return dict(model, cpu_beta=0.0)
+    shared-memory constants, but no TCP copy cost per byte (cpu_beta and cpu_beta_oneway
+    0): one TCP stream on this small VM moves about 1 GB/s, which says nothing of a
+    100 Gbit/s host."""
+    return dict(model, cpu_beta=0.0, cpu_beta_oneway=0.0)
 
 
 def _crossing(model, topology: Topology, fast: str, slow: str, sizes: Sequence[int]) -> Optional[int]:
@@ -658,16 +675,21 @@ def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = 
     ``hook_max_bytes``)."""
     gamma, _ = _kernel_costs()
     codec = _hook_costs(_host_rows(2, None, tuple(HOOK_COLUMNS), 1 << 20, max(hook_max_bytes, 4 << 20), 3, 1))
-    points = _median_points([[(float(row["size_bytes"]), row["time_us"] * 1e-6)
-                              for row in _host_rows(2, None, ("ring",), 8, max_bytes, iters, 3)]
-                             for _ in range(rounds)])
+    runs = [_host_rows(2, None, ("ring", "tree"), 8, max_bytes, iters, 3) for _ in range(rounds)]
+
+    def sweeps(algo, min_bytes=0):
+        return _median_points([[(float(row["size_bytes"]), row["time_us"] * 1e-6) for row in rows
+                                if row["algo"] == algo and row["size_bytes"] >= min_bytes] for rows in runs])
+
+    points, tree = sweeps("ring"), sweeps("tree", min(LARGE_MIN, max_bytes // 16))
     a, b = _fit_regimes(points)
     path = cost_cache_path()
     base = read_cost_model(path) if os.path.exists(path) else dict(DEFAULT_MODEL)
-    model = dict(base, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12))
+    model = dict(base, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12),
+                 cpu_beta_oneway=_one_way(tree, gamma))
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "path": "network namespaces: veth + bridge, 2 hosts x 1 rank, no rate", "model": model,
-                   "codec": codec, "points": {"ring_netns": points},
+                   "codec": codec, "points": {"ring_netns": points, "tree_netns": tree},
                    "note": "beta 0 (no rate: the CPU is the limit); with a tbf rate, link_model sets beta"}
     if verbose:
         print("# calibrated the namespace path: " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()))

@@ -86,6 +86,39 @@ def test_cpu_bound_tree_and_oversubscription():
     assert one["ring"] < c4["ring"] and one["tree"] == pytest.approx(4 * a + 2 * S * cb + 2 * S * g)
 
 
+def test_measured_one_way_transfers_cost_the_tree():
+    # cpu_beta_oneway: a one-way transfer's time per byte, measured from the 2-rank tree
+    # (on this VM's namespace path it was slower than half the two-way cpu_beta, and the
+    # model charged the tree 6-35% too little). The ring and sharded do not use it.
+    w = 0.8e-9
+    m = model(alpha=10e-6, beta=0.0, gamma=0.2e-9, cpu_beta=1e-9, cpu_beta_oneway=w)
+    a, g, cb = m["alpha"], m["gamma"], m["cpu_beta"]
+    c2 = costs(S, 2, values=m)
+    assert c2["tree"] == pytest.approx(2 * a + S * (2 * w + g))
+    assert c2["ring"] == pytest.approx(2 * a + S * cb + 0.5 * S * g)
+    # 4 ranks, one per core: two levels up (w + g each), two down (w each)
+    one = dict(K.allreduce_costs(S, 4, False, 4, cost_object(m)))
+    assert one["tree"] == pytest.approx(4 * a + 2 * S * (w + g) + 2 * S * w)
+    # 2 ranks per core: each edge's two transfers keep both ends busy, 2 w each
+    two = dict(K.allreduce_costs(S, 4, False, 4, cost_object(m), oversubscription=2.0))
+    assert two["tree"] == pytest.approx(4 * a + 2 * 0.75 * S * (4 * w + g))
+    assert two["ring"] == pytest.approx(6 * a + 2 * (1.5 * S * cb + 0.75 * S * g))
+    # Not measured (0): half of cpu_beta, the model as it was
+    for ranks, o in ((2, 1.0), (4, 1.0), (4, 2.0), (8, 4.0)):
+        half = dict(K.allreduce_costs(S, ranks, False, ranks, cost_object(dict(m, cpu_beta_oneway=0.5 * cb)),
+                                      oversubscription=o))
+        unset = dict(K.allreduce_costs(S, ranks, False, ranks, cost_object(dict(m, cpu_beta_oneway=0.0)),
+                                       oversubscription=o))
+        assert half == pytest.approx(unset), (ranks, o)
+
+
+def test_one_way_fit_from_the_two_rank_tree():
+    a, w, g = 80e-6, 0.9e-9, 0.1e-9
+    tree = [(float(s), 2 * a + s * (2 * w + g)) for s in (1 << 20, 4 << 20, 16 << 20)]
+    assert plan._one_way(tree, g) == pytest.approx(w)
+    assert plan._one_way([(float(1 << 20), 1e-6), (float(4 << 20), 1e-6)], g) == 1e-12  # never below zero
+
+
 def test_egress_only_link_tree():
     # tc tbf on each host's egress (pycomm/netns.py): rank 0's children send at once over
     # links of their own, so the reduce takes S beta; the broadcast still leaves through
@@ -134,6 +167,10 @@ def test_cost_model_config(tmp_path, monkeypatch):
     old = {k: v for k, v in model(alpha=1e-3).items() if k != "cpu_beta"}
     path.write_text(json.dumps({"model": old}))
     assert C.load_config({"PYCOMM_COST_MODEL": str(path)}).cost_model["cpu_beta"] == 0.0
+    # ... and before cpu_beta_oneway: 0, which the tree takes as half of cpu_beta.
+    old = {k: v for k, v in model(alpha=1e-3, cpu_beta=1e-9).items() if k != "cpu_beta_oneway"}
+    path.write_text(json.dumps({"model": old}))
+    assert C.load_config({"PYCOMM_COST_MODEL": str(path)}).cost_model["cpu_beta_oneway"] == 0.0
     bad.write_text(json.dumps({"model": model(beta=-1.0)}))
     with pytest.raises(ValueError, match="beta out of range"):
         C.load_config({"PYCOMM_COST_MODEL": str(bad)})
@@ -282,9 +319,10 @@ def test_cli_predicts_without_a_calibration(tmp_path):
 def test_calibrate_and_cache(tmp_path):
     calibration = plan.calibrate(max_bytes=1 << 18, iters=3, verbose=False)
     m = calibration["model"]
-    assert all(m[name] > 0 for name in ("alpha", "cpu_beta", "gamma", "shm_alpha", "shm_beta")), m
+    assert all(m[name] > 0 for name in ("alpha", "cpu_beta", "cpu_beta_oneway", "gamma", "shm_alpha", "shm_beta")), m
     assert m["beta"] == 0.0  # loopback: no link, the TCP copies (cpu_beta) are the cost
     assert calibration["codec"]["topk"] > 0 and calibration["points"]["ring_tcp"]
+    assert [s for s, _ in calibration["points"]["tree_tcp"]] == [float(1 << 14), float(1 << 16), float(1 << 18)]
     streams = calibration["streams"]
     assert streams["per_stream_gbps"] > 0 and sorted(streams["ring_seconds"]) == ["1", "2", "4"], streams
     assert all(t > 0 for t in streams["ring_seconds"].values()), streams

@@ -13,12 +13,14 @@
 //            L > 1 ranks on each of H hosts: the link term is 2 L S (H-1)/H beta (all
 //            L ranks of a host exchange across hosts at once; the ring's layout puts one
 //            edge per host on the link)
-//   tree:    2k alpha + max(reduce + broadcast, o (n-1)/n S (2 cpuBeta + gamma)),
-//            reduce = max(k S beta, k S (cpuBeta/2 + gamma)) (the root takes k children's
-//            S, each over its own link when only egress is limited: S beta), broadcast =
-//            max(k S beta, k S cpuBeta/2) (the root sends S to k children); the two run
+//   tree:    2k alpha + max(reduce + broadcast, o (n-1)/n S (4 w + gamma)),
+//            reduce = max(k S beta, k S (w + gamma)) (the root takes k children's S, each
+//            over its own link when only egress is limited: S beta), broadcast =
+//            max(k S beta, k S w) (the root sends S to k children), w = cpuBetaOneWay (a
+//            one-way transfer's time per byte; cpuBeta/2 where not measured); the two run
 //            one after the other (tree.cc), each pipelined by segment; with L ranks per
-//            host only the k - log2 L children off rank 0's host load its link
+//            host only the k - log2 L children off rank 0's host load its link;
+//            oversubscribed, every edge's two transfers keep both ends busy (2 w each)
 //   shm:     2 shmAlpha + cpu(2P shmBeta + P gamma)   (one host: through the arena)
 //   hierarchical: shm inside each host (L ranks), the cheapest network algorithm
 //            among the H host leaders, then a broadcast inside each host
@@ -110,11 +112,14 @@ double treeCost(size_t bytes, const Topology& t) {
   // Rank 0's children off its host (ranks laid out host by host, L per host: the
   // children at distance L and beyond) are the ones its link carries.
   const double remote = std::max(1.0, k - std::floor(std::log2(static_cast<double>(ranksPerHost(t)))));
-  const double reduce =
-      std::max((t.ingressLimited ? remote : 1.0) * s * m.beta, k * s * (0.5 * m.cpuBeta + m.gamma));
-  const double broadcast = std::max(remote * s * m.beta, k * s * 0.5 * m.cpuBeta);
-  // Oversubscribed, every edge's two transfers and every reduction share the cores.
-  const double shared = t.oversubscription * (n - 1) / n * s * (2.0 * m.cpuBeta + m.gamma);
+  // A one-way transfer's time per byte: measured (the 2-rank tree, pycomm/plan.py), or
+  // the sending or receiving half of the two-way exchange cpuBeta stands for.
+  const double oneWay = m.cpuBetaOneWay > 0.0 ? m.cpuBetaOneWay : 0.5 * m.cpuBeta;
+  const double reduce = std::max((t.ingressLimited ? remote : 1.0) * s * m.beta, k * s * (oneWay + m.gamma));
+  const double broadcast = std::max(remote * s * m.beta, k * s * oneWay);
+  // Oversubscribed, every edge's two transfers (each keeping both ends busy) and every
+  // reduction share the cores.
+  const double shared = t.oversubscription * (n - 1) / n * s * (4.0 * oneWay + m.gamma);
   return 2.0 * k * m.alpha + std::max(reduce + broadcast, shared);
 }
 

@@ -26,6 +26,11 @@ struct CostModel {
   // the link's beta: a transfer takes the larger of the two. 0 in the defaults (the
   // link's beta stands for both).
   double cpuBeta = 0.0;
+  // Seconds per byte of a one-way TCP transfer (one rank sends, its peer receives,
+  // nothing comes back): what the tree's phases move. 0: half of cpuBeta, the sending or
+  // receiving half of a two-way exchange. On this project's VM a one-way stream measured
+  // 1.06-1.14x that (docs/planner.md), and its two ends together spend up to twice this.
+  double cpuBetaOneWay = 0.0;
 };
 
 }  // namespace pycomm
