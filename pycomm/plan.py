@@ -9,7 +9,8 @@
 The model is the one `auto` uses (csrc/algorithms/allreduce_registry.cc, read through
 ``pycomm._C.allreduce_costs``; docs/planner.md): a message costs alpha, a byte beta on
 the link and cpu_beta of TCP copies at its two ends (a phase takes the larger of link
-and CPU), reducing costs gamma per byte, the shared-memory arena has its own shm_alpha
+and CPU), cpu_beta_oneway per byte of a one-way transfer (the tree's phases), reducing
+costs gamma per byte, the shared-memory arena has its own shm_alpha
 and shm_beta, and each algorithm is a formula over them (ring, sharded =
 halving/doubling, tree, shm, hierarchical). A topology adds its ranks per core
 (oversubscription: the CPU terms scale by it) and whether links limit ingress (a NIC)
@@ -20,7 +21,7 @@ input byte.
 
 ``--calibrate`` fits the constants to pycomm's own benchmark on this host (2 ranks:
 ring over TCP loopback for alpha and cpu_beta, beta 0 since no link limits loopback,
-the shared-memory algorithm for shm_alpha and shm_beta, the reduction kernel for gamma,
+the tree over TCP loopback for cpu_beta_oneway, the shared-memory algorithm for shm_alpha and shm_beta, the reduction kernel for gamma,
 the compression kernels for their encode cost) and caches them
 (pycomm.config.cost_cache_path); groups created afterwards on this host use them
 (PYCOMM_COST_MODEL). A topology is hosts x ranks per host with a link bandwidth and
@@ -374,12 +375,17 @@ def _hook_rows(iters: int = 3) -> List[dict]:
 
 def _one_way(tree: Sequence[Tuple[float, float]], gamma: float) -> float:
     """cpu_beta_oneway from the 2-rank tree's large sizes: its slope is 2 w + gamma (S up,
-    reduced at rank 0, then S down, one way at a time). Measured because a one-way stream
-    is not twice as fast per byte as the two-way exchange cpu_beta is fitted to: the model
-    that assumed it charged the tree 6-35% too little (docs/planner.md)."""
+    reduced at rank 0, then S down, one way at a time). Measured rather than taken as half
+    of cpu_beta (the two-way exchange's); on this project's VM it came out 1.06-1.14x that
+    (docs/planner.md). A fit that leaves nothing for the transfers (slope <= gamma: noisy
+    or too few points) gives 0, "not measured", which the model reads as cpu_beta / 2: a
+    tiny w would make the tree look free to ``auto``."""
     large = [(s, t) for s, t in tree if s >= LARGE_MIN]
-    slope = _fit_line(large if len(large) >= 2 else list(tree))[1]
-    return max((slope - gamma) / 2.0, 1e-12)
+    points = large if len(large) >= 2 else list(tree)
+    if len(points) < 2:
+        return 0.0
+    slope = _fit_line(points)[1]
+    return (slope - gamma) / 2.0 if slope > gamma else 0.0
 
 
 def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
@@ -387,7 +393,7 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
     """Measure this host's constants (2 ranks); returns the calibration (model, codec,
     the measured points: each size's median over ``rounds`` sweeps). Over TCP loopback
     no link limits a byte, the CPU does: beta is 0 and the ring's time per byte is
-    cpu_beta (plus gamma/2)."""
+    cpu_beta (plus gamma/2); the tree's (from max_bytes / 16) is 2 cpu_beta_oneway + gamma."""
     gamma, _ = _kernel_costs()
     codec = _hook_costs(_hook_rows())
     # 2-rank ring (allreduce_registry.cc), beta 0: 2 alpha + S cpu_beta + S/2 gamma.
@@ -668,8 +674,8 @@ def _host_rows(hosts: int, rate: Optional[str], algos: Sequence[str], min_bytes:
 def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
                     hook_max_bytes: int = 64 << 20, rounds: int = CALIBRATION_ROUNDS) -> dict:
     """The namespace path's constants (veth + bridge, no rate): pycomm's 2-host ring
-    from 8 B (each size's median over ``rounds`` sweeps), fitted as calibrate() fits
-    loopback (beta 0, the CPU is the limit); the
+    from 8 B and tree (each size's median over ``rounds`` sweeps), fitted as calibrate()
+    fits loopback (beta 0, the CPU is the limit); the
     shared-memory constants and delta from this host's calibration (or the built-in);
     the compressed hooks' own work per byte over the same path (2 hosts, 1 MiB to
     ``hook_max_bytes``)."""

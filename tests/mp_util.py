@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import faulthandler
-import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -299,11 +298,6 @@ def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_tim
         ctx = WorkerContext(rank, world_size, backend, ref, tmpdir, pg_timeout_s, q)
         result = fn(ctx, *args)
         q.put(("return", rank, pickle.dumps(result)))
-        # The interpreter's last garbage collection at exit walks every object the worker
-        # imported and built; after a run of the engines (DTensor, FSDP2, pipelining) on 4
-        # ranks sharing 2 busy cores it took longer than spawn_run's exit_timeout_s (py-spy:
-        # gc_collect_main at finalisation). Frozen objects are left out of that collection.
-        gc.freeze()
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
         # Leave without tearing down: peers see this rank as gone.

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 
 import pytest
-import torch
 
 from pycomm.train.memory import RssPeak
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 
 MIB = 2 ** 20
-# Each allocation the tests measure is over glibc's largest dynamic mmap threshold (32 MiB
-# on 64-bit): a fresh mapping, whose pages are new, whatever the earlier tests in this
-# process freed (a smaller one may reuse resident heap chunks and add nothing).
 STEP = 48 * MIB
+PAGE = mmap.PAGESIZE
+
+
+def _resident(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of new resident memory, given back to the system when the object goes.
+    A fresh anonymous mapping, touched page by page: a torch tensor or a malloc of the same
+    size may reuse chunks that earlier tests in this process freed and that are still
+    resident (in the suite a 48 MiB tensor added nothing), and freed, may stay resident."""
+    block = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, PAGE):
+        block[offset] = 1
+    return block
 
 
 class _Cycle:
@@ -24,7 +33,7 @@ class _Cycle:
 
     def __init__(self, nbytes: int) -> None:
         self.me = self
-        self.data = torch.ones(nbytes // 4)  # touched: resident
+        self.data = _resident(nbytes)
 
 
 def test_garbage_of_an_earlier_run_is_not_counted_in_the_start():
@@ -36,10 +45,12 @@ def test_garbage_of_an_earlier_run_is_not_counted_in_the_start():
     gc.disable()  # the collection happens where the test says, not at random
     try:
         _Cycle(256 * MIB)  # dropped at once, freed only by a collection
+        holding = RssPeak._read("VmRSS")
         rss = RssPeak()
+        assert rss.start < holding - 200 * MIB, "the start still holds the earlier run's garbage"
         gc.collect()  # during the model build
         rss.reset_peak()
-        step = torch.ones(STEP // 4)  # the training steps
+        step = _resident(STEP)  # the training steps
         growth = rss.growth()
         del step
     finally:
@@ -50,7 +61,7 @@ def test_garbage_of_an_earlier_run_is_not_counted_in_the_start():
 
 def test_growth_counts_what_the_run_holds():
     rss = RssPeak()
-    model = torch.ones(STEP // 4)
+    model = _resident(STEP)
     rss.reset_peak()
     growth = rss.growth()
     del model
@@ -60,11 +71,11 @@ def test_growth_counts_what_the_run_holds():
 def test_memory_freed_while_the_model_is_built_does_not_make_it_negative():
     """Memory the process held before the model was built (a buffer of an earlier run, a
     cache) and freed during the build: the growth is still what the training steps add."""
-    held = torch.ones(256 * MIB // 4)
+    held = _resident(256 * MIB)
     rss = RssPeak()
     del held  # freed during the model build
     rss.reset_peak()
-    step = torch.ones(STEP // 4)
+    step = _resident(STEP)
     growth = rss.growth()
     del step
     assert STEP - 8 * MIB <= growth < 2 * STEP, growth / MIB

@@ -12,6 +12,7 @@ sequence (starting ranks costs seconds); dropout is 0 so the runs are determinis
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -46,6 +47,14 @@ def _singles(world_size):
     return groups[dist.get_rank()]
 
 
+def _freeze_for_exit():
+    """The interpreter's last garbage collection at exit (a spawned rank's) walks every
+    object the engines (DTensor, FSDP2, pipelining) imported and built; on 4 ranks sharing
+    2 busy cores it took longer than mp_util's 10 s exit grace (py-spy: gc_collect_main at
+    finalisation). Frozen objects are left out of that collection."""
+    gc.freeze()
+
+
 def parallel_worker(ctx, runs, references):
     """``runs``: name -> config changes, trained in order on all ranks. ``references``: rank ->
     list of (name, changes) this rank trains alone (the single-process runs)."""
@@ -59,7 +68,8 @@ def parallel_worker(ctx, runs, references):
         ctx.progress(f"reference {name}")
         out[name] = _train(_cfg(**changes), single, single_control)
     dist.barrier()
-    return out  # mp_util freezes the objects the engines built (its exit grace)
+    _freeze_for_exit()
+    return out
 
 
 def _collect(rets, world_size):
@@ -144,10 +154,12 @@ def test_fsdp_tp_pp_match_single_process_on_two_ranks():
     assert sum(m["optimizer"] for m in adamw) == 2 * mlp  # exp_avg and exp_avg_sq, sharded
     # peak-RSS growth (measured, tests/test_train_memory.py): ddp, the first run in the
     # process, touches the shared-memory arena's pages for the first time; a later run of 3
-    # steps may reuse pages an earlier one left resident and add none
+    # steps may reuse pages an earlier one left resident and add none (never below 0, by
+    # construction); every rank reports it, in bytes (under 1 GiB for this 0.3 MiB model)
     growth = {run: [m["rss_peak_growth"] for m in mem] for run, mem in memory.items()}
-    if growth["ddp"][0] is not None:
-        assert all(g > full for g in growth["ddp"]) and all(g >= 0 for gs in growth.values() for g in gs), growth
+    if growth["ddp"][0] is not None:  # Linux /proc
+        assert all(g > full for g in growth["ddp"]), growth
+        assert all(g is not None and g < 2 ** 30 for gs in growth.values() for g in gs), growth
     # every rank gathered the same memory table
     assert rets[1]["fsdp"]["memory"] == memory["fsdp"]
 

@@ -40,7 +40,10 @@ class RssPeak:
     sharding it is not counted. :meth:`growth` is the peak since the reset minus the lower
     of the two resident sets: memory held before the model was built and freed while it
     was built (a buffer of an earlier run, pages the allocator gave back) does not make the
-    growth negative. None where /proc does not allow it."""
+    growth negative. Such memory also hides part of the build: freeing F bytes while the
+    build adds M leaves min(F, M) of the model out of the figure (all of it once F >= M),
+    while the training steps' own growth is always counted. None where /proc does not
+    allow it."""
 
     def __init__(self) -> None:
         # An earlier run in this process (the test suite, a notebook) may have left garbage
