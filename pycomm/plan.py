@@ -10,8 +10,8 @@ The model is the one `auto` uses (csrc/algorithms/allreduce_registry.cc, read th
 ``pycomm._C.allreduce_costs``; docs/planner.md): a message costs alpha, a byte beta on
 the link and cpu_beta of TCP copies at its two ends (a phase takes the larger of link
 and CPU), cpu_beta_oneway per byte of a one-way transfer (the tree's phases), reducing
-costs gamma per byte, the shared-memory arena has its own shm_alpha
-and shm_beta, and each algorithm is a formula over them (ring, sharded =
+costs gamma per byte, the shared-memory arena has its own shm_alpha and shm_beta, and
+each algorithm is a formula over them (ring, sharded =
 halving/doubling, tree, shm, hierarchical). A topology adds its ranks per core
 (oversubscription: the CPU terms scale by it) and whether links limit ingress (a NIC)
 or egress only (tc tbf on the namespace hosts). The compressed all-reduces are
@@ -21,8 +21,9 @@ input byte.
 
 ``--calibrate`` fits the constants to pycomm's own benchmark on this host (2 ranks:
 ring over TCP loopback for alpha and cpu_beta, beta 0 since no link limits loopback,
-the tree over TCP loopback for cpu_beta_oneway, the shared-memory algorithm for shm_alpha and shm_beta, the reduction kernel for gamma,
-the compression kernels for their encode cost) and caches them
+the tree over TCP loopback for cpu_beta_oneway, the shared-memory algorithm for
+shm_alpha and shm_beta, the reduction kernel for gamma, the compression kernels for
+their encode cost) and caches them
 (pycomm.config.cost_cache_path); groups created afterwards on this host use them
 (PYCOMM_COST_MODEL). A topology is hosts x ranks per host with a link bandwidth and
 latency: beta = 1/bandwidth and alpha = latency + the per-message overhead measured
