@@ -374,6 +374,12 @@ def _hook_rows(iters: int = 3) -> List[dict]:
         return run_benchmark(cfg).rows
 
 
+def _tree_from(max_bytes: int) -> int:
+    """The smallest size of the calibration's tree sweep: from LARGE_MIN, or the top three
+    sizes (a factor of 4 apart) when the sweep ends below it."""
+    return min(LARGE_MIN, max(max_bytes // 16, 1))
+
+
 def _one_way(tree: Sequence[Tuple[float, float]], gamma: float) -> float:
     """cpu_beta_oneway from the 2-rank tree's large sizes: its slope is 2 w + gamma (S up,
     reduced at rank 0, then S down, one way at a time). Measured rather than taken as half
@@ -401,8 +407,8 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
     tcp = _median_points([_sweep("ring", "tcp", max_bytes, iters) for _ in range(rounds)])
     a, b = _fit_regimes(tcp)
     # 2-rank tree (one way up, then one way down): 2 alpha + S (2 cpu_beta_oneway + gamma).
-    tree_from = min(LARGE_MIN, max(max_bytes // 16, 1))
-    tree = _median_points([_sweep("tree", "tcp", max_bytes, iters, min_bytes=tree_from) for _ in range(rounds)])
+    tree = _median_points([_sweep("tree", "tcp", max_bytes, iters, min_bytes=_tree_from(max_bytes))
+                           for _ in range(rounds)])
     # 2-rank shm: 2 shm_alpha + S shm_beta + S/2 gamma.
     shm = _median_points([_sweep("shm", "auto", max_bytes, iters) for _ in range(rounds)])
     sa, sb = _fit_regimes(shm)
@@ -688,7 +694,7 @@ def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = 
         return _median_points([[(float(row["size_bytes"]), row["time_us"] * 1e-6) for row in rows
                                 if row["algo"] == algo and row["size_bytes"] >= min_bytes] for rows in runs])
 
-    points, tree = sweeps("ring"), sweeps("tree", min(LARGE_MIN, max_bytes // 16))
+    points, tree = sweeps("ring"), sweeps("tree", _tree_from(max_bytes))
     a, b = _fit_regimes(points)
     path = cost_cache_path()
     base = read_cost_model(path) if os.path.exists(path) else dict(DEFAULT_MODEL)

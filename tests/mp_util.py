@@ -186,6 +186,18 @@ class _Receiver:
         return f"{len(self.buffer) - _HEADER.size} of {size} bytes arrived"
 
 
+def wait_for_files(paths, limit_s: float) -> bool:
+    """Wait until every file of ``paths`` exists (another process's "done"), or ``limit_s``
+    seconds pass; for ranks that must not wait in a collective (the group may be broken).
+    True if they all appeared."""
+    deadline = time.monotonic() + limit_s
+    while not all(os.path.exists(path) for path in paths):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class WorkerContext:
     """What a worker function gets as its first argument (inside the child)."""
 
@@ -223,13 +235,7 @@ class WorkerContext:
     def wait_done(self, rank: int, limit_s: float, tag: str = "done") -> bool:
         """Stay until ``rank`` has called mark_done(tag), or ``limit_s`` seconds pass; a rank
         that left instead would shut its groups down and so tell the others. True if done."""
-        flag = os.path.join(self.tmpdir, f"rank{rank}-{tag}")
-        deadline = time.monotonic() + limit_s
-        while not os.path.exists(flag):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
-        return True
+        return wait_for_files([os.path.join(self.tmpdir, f"rank{rank}-{tag}")], limit_s)
 
     def abrupt_exit(self, value: Any = None) -> None:
         """Report ``value`` as this rank's result and leave at once with

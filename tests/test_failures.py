@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from mp_util import wait_for_files
+
 WAIT_LIMIT_S = 120  # hard wall-clock bound on every spawned run
 
 
@@ -253,10 +255,7 @@ def _absent_rank_worker(rank, world, q, rdzv_dir):
             # the group down and tell them at once ("rank 2 aborted the group"), and they
             # would never reach the timeout this test is about.
             results[name] = "absent"
-            others = [os.path.join(rdzv_dir, f"op{i}-done{r}") for r in range(world - 1)]
-            deadline = time.monotonic() + 60
-            while not all(os.path.exists(f) for f in others) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for_files([os.path.join(rdzv_dir, f"op{i}-done{r}") for r in range(world - 1)], limit_s=60)
         else:
             start = time.monotonic()
             try:

@@ -47,14 +47,6 @@ def _singles(world_size):
     return groups[dist.get_rank()]
 
 
-def _freeze_for_exit():
-    """The interpreter's last garbage collection at exit (a spawned rank's) walks every
-    object the engines (DTensor, FSDP2, pipelining) imported and built; on 4 ranks sharing
-    2 busy cores it took longer than mp_util's 10 s exit grace (py-spy: gc_collect_main at
-    finalisation). Frozen objects are left out of that collection."""
-    gc.freeze()
-
-
 def parallel_worker(ctx, runs, references):
     """``runs``: name -> config changes, trained in order on all ranks. ``references``: rank ->
     list of (name, changes) this rank trains alone (the single-process runs)."""
@@ -68,7 +60,11 @@ def parallel_worker(ctx, runs, references):
         ctx.progress(f"reference {name}")
         out[name] = _train(_cfg(**changes), single, single_control)
     dist.barrier()
-    _freeze_for_exit()
+    # The interpreter's last garbage collection at exit walks every object the engines
+    # (DTensor, FSDP2, pipelining) imported and built; on 4 ranks sharing 2 busy cores it
+    # took longer than mp_util's 10 s exit grace (py-spy: gc_collect_main at finalisation).
+    # Frozen objects are left out of that collection.
+    gc.freeze()
     return out
 
 
