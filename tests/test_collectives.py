@@ -734,7 +734,8 @@ def sec_non_contiguous(ctx, chk, full):
     through contiguous copies and copies the outputs back. Reference: gloo on the
     same kind of tensors; for all_to_all_single and point-to-point, which gloo
     refuses ("has to be contiguous"), gloo or the closed form on contiguous ones; for
-    a view of every other element, the closed form (gloo's result is wrong)."""
+    a view of every other element, the closed form (gloo's result is wrong); for the
+    list all_to_all, the closed form (torch 2.11's gloo has none)."""
     w, r = ctx.world_size, ctx.rank
     f32 = torch.float32
 
@@ -844,7 +845,9 @@ def sec_non_contiguous(ctx, chk, full):
         ins = [_strided(inp(r, dtype=torch.int64, op="COPY", salt=f"nc-a2a{j}")) for j in range(w)]
         dist.all_to_all(outs, ins, group=group)
         return outs
-    both("all_to_all transpose int64", all_to_all, exact=True)
+    # closed form: rank j's input number r (torch 2.11's gloo has no list all_to_all)
+    both("all_to_all transpose int64", all_to_all, exact=True, compare_to=[
+        inp(j, dtype=torch.int64, op="COPY", salt=f"nc-a2a{r}") for j in range(w)])
 
     def all_to_all_single(group, strided):
         out = torch.zeros(w * 5, 7)

@@ -455,7 +455,9 @@ def test_ddp_on_cuda_model_matches_gloo(hook_name):
 
 def staged_hooks_worker(ctx):
     """pycomm's compressed collectives (exchange="auto") on a CUDA bucket and on the same
-    bucket on CPU, three steps each with error feedback: results and residuals."""
+    bucket on CPU, three steps each with error feedback: results and residuals. In step 1
+    one parameter's slice is zero (DDP's unused parameter): the CPU finds it with
+    kernels.zero_segments, CUDA with count_nonzero, and both keep its residual."""
     from pycomm import hooks as H
     from test_hooks import _Bucket
 
@@ -467,6 +469,8 @@ def staged_hooks_worker(ctx):
         states = {"cpu": make(), "cuda": make()}
         for step in range(3):
             grads = gen(sum(p.numel() for p in params), seed=10 * step + ctx.rank, device="cpu")
+            if step == 1:  # the 17-element parameter unused on this rank: its residual is held
+                grads[3000:3017] = 0  # out of the step (_hold_unused: count_nonzero on CUDA)
             for dev, state in states.items():
                 ctx.progress(f"{name} {dev} step {step}")
                 bucket = _Bucket(params, [grads.to(dev)], 0, True)
