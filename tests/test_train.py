@@ -292,6 +292,39 @@ def test_hooks_resolve():
     assert hook is counting_hook and isinstance(state, CounterState) and state.group == "G"
 
 
+def test_wrap_works_with_torch_2_11_ddp(monkeypatch):
+    """torch 2.11 (the GPU machine's) has no DDP(forward_sync_buffers=...): wrap() raised
+    TypeError there, which failed the demo and every pycomm-train run. A stand-in with
+    2.11's parameter list gets broadcast_buffers=False; torch 2.13's DDP (this machine's,
+    where broadcast_buffers is deprecated) gets forward_sync_buffers=False."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    got = {}
+
+    class DDP211:  # torch 2.11.0's DistributedDataParallel.__init__ parameters
+        def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                     init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                     check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
+                     delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                     device_mesh=None, skip_all_reduce_unused_params=False, bucket_cap_mb_list=None):
+            got.update(module=module, broadcast_buffers=broadcast_buffers, process_group=process_group)
+
+        def register_comm_hook(self, state, hook):
+            got.update(state=state, hook=hook)
+
+    monkeypatch.setattr(strategies, "DistributedDataParallel", DDP211)
+    s = strategies.Strategy.__new__(strategies.Strategy)  # wrap() needs no process group
+    s.group, s.hook_state, s.hook = "G", "state", strategies.allreduce_hook
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(s.wrap(model), DDP211)
+    assert got == {"module": model, "broadcast_buffers": False, "process_group": "G", "state": "state",
+                   "hook": strategies.allreduce_hook}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        assert strategies._no_forward_buffer_sync(DistributedDataParallel) == {"forward_sync_buffers": False}
+
+
 def test_register_hook_example_in_docs_runs():
     """docs/training.md's register_hook example, run as written (it passed ``ratio=``, which
     TopKState does not take)."""

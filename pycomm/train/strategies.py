@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -177,6 +178,16 @@ class _Timer:
 # strategies
 # ---------------------------------------------------------------------------
 
+def _no_forward_buffer_sync(ddp_class) -> Dict[str, bool]:
+    """DDP's keyword for no buffer broadcast before each forward: torch 2.13 names it
+    forward_sync_buffers=False (broadcast_buffers is deprecated there, with a warning);
+    torch 2.11, the GPU machine's, has only broadcast_buffers=False, which also leaves
+    buffers out of DDP's initial sync (the models here are built alike on every rank)."""
+    if "forward_sync_buffers" in inspect.signature(ddp_class.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 class Strategy:
     """Base class: synchronous gradients every step, no parameter communication."""
 
@@ -195,7 +206,7 @@ class Strategy:
 
     def wrap(self, model: nn.Module, device_ids=None) -> DistributedDataParallel:
         self.ddp = DistributedDataParallel(model, process_group=self.group, device_ids=device_ids,
-                                           forward_sync_buffers=False)
+                                           **_no_forward_buffer_sync(DistributedDataParallel))
         self.ddp.register_comm_hook(self.hook_state, self.hook)
         return self.ddp
 
