@@ -1,5 +1,9 @@
 #include "transport/bootstrap.h"
 
+#include <sched.h>
+
+#include <algorithm>
+
 #include "common/error.h"
 #include "common/logging.h"
 #include "transport/shm_segment.h"
@@ -27,11 +31,22 @@ GroupTransport bootstrapGroup(KeyValueStore& store, int rank, int size, const Gr
   std::vector<int> local;
   if (size > 1) {
     // A rank without shared memory is a host of its own for the others.
+    int ranksOnMachine = 1;
     const std::vector<int> leaderOf =
-        hostLeaders(store, config.storePrefix, rank, size, tcpOnly ? "tcp" : "");
+        hostLeaders(store, config.storePrefix, rank, size, tcpOnly ? "tcp" : "", &ranksOnMachine);
     for (int r = 0; r < size && !tcpOnly; ++r) {
       if (leaderOf[r] == leaderOf[rank]) local.push_back(r);
       if (leaderOf[r] == r) group.hostLeaders.push_back(r);
+    }
+    // More ranks on this machine (network namespaces included) than CPUs to run
+    // them: a wait that polls takes the core from a rank with work (request.cc).
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const int cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
+    if (ranksOnMachine > std::max(1, cpus) && Request::polling()) {
+      Request::stopPolling();
+      debugLog(strCat("rank ", rank, ": ", ranksOnMachine, " ranks on this machine, ", cpus,
+                      " CPUs: waits sleep without polling"));
     }
   }
   std::string shmFailure = tcpOnly ? "PYCOMM_TRANSPORT=tcp" : "";

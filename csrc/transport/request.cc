@@ -11,8 +11,8 @@ namespace {
 // then reaches a waiter that is awake, without a second thread wake-up: on the
 // 2-core VM an 8-byte round trip of send/recv took 168-241 us with two wake-ups
 // per message and 69-142 us with one (benchmarks/results/p2p_latency.txt), so
-// about 50 us per wake-up. Bounded, and yielding, so an
-// oversubscribed host loses little: a long wait still sleeps after it. Not done in
+// about 50 us per wake-up. Bounded, and yielding; off where ranks outnumber the
+// CPUs (gPolling, below). Not done in
 // waits for the group's worker (PycommWork::wait, the worker's queue): there the
 // waited-for thread computes, and a poller on its core made four queued 256 KiB
 // all-reduces over shared memory 1.5-2x slower, for no gain on 8-byte ones.
@@ -20,12 +20,23 @@ constexpr int kPollMicros = 300;
 // A yield that kept the waiter off the core this long means the core is busy with
 // other work (the peer computing, other jobs): polling stops and the waiter sleeps.
 constexpr int kLongYieldMicros = 500;
+
+// Off once a group of this process has more ranks on this machine than CPUs to run
+// them: then the core a poller yields is wanted by another rank's work, and the
+// yields cost that work more than the wake-up they save. Measured on the 2-core VM,
+// 8 ranks in 8 network namespaces, a 16 MiB tree all-reduce over TCP, 2 runs each:
+// 122-181 ms polling, 100-113 ms without (the ring 101-122 against 98-101).
+std::atomic<bool> gPolling{true};
 }  // namespace
+
+void Request::stopPolling() { gPolling.store(false, std::memory_order_relaxed); }
+bool Request::polling() { return gPolling.load(std::memory_order_relaxed); }
 
 bool Request::waitUntil(Clock::time_point deadline) {
   if (finished_.load(std::memory_order_acquire)) return true;
   auto before = Clock::now();
-  const auto pollEnd = std::min<Clock::time_point>(before + std::chrono::microseconds(kPollMicros), deadline);
+  const int pollMicros = polling() ? kPollMicros : 0;
+  const auto pollEnd = std::min<Clock::time_point>(before + std::chrono::microseconds(pollMicros), deadline);
   while (before < pollEnd) {
     std::this_thread::yield();
     if (finished_.load(std::memory_order_acquire)) return true;

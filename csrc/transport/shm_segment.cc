@@ -82,17 +82,25 @@ std::string randomHex(size_t bytes) {
 std::string hostKey() {
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  return strCat(host, "|", readFirstLine("/proc/sys/kernel/random/boot_id"), "|", namespaceId("net"),
+  // The boot id first: it alone names the machine (the kernel), see machineOf.
+  return strCat(readFirstLine("/proc/sys/kernel/random/boot_id"), "|", host, "|", namespaceId("net"),
                 "|", namespaceId("ipc"), "|", namespaceId("mnt"), "|", namespaceId("pid"));
 }
 
+namespace {
+std::string machineOf(const std::string& key) { return key.substr(0, key.find('|')); }
+}  // namespace
+
 std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size,
-                             const std::string& salt) {
+                             const std::string& salt, int* ranksOnMachine) {
   store.set(prefix + "host/" + std::to_string(rank), hostKey() + "|" + salt);
   std::vector<std::string> keys(size);
   std::vector<int> leader(size);
+  const std::string machine = machineOf(hostKey());
+  if (ranksOnMachine) *ranksOnMachine = 0;
   for (int r = 0; r < size; ++r) {
     keys[r] = store.get(prefix + "host/" + std::to_string(r));
+    if (ranksOnMachine && machineOf(keys[r]) == machine) ++*ranksOnMachine;
     leader[r] = r;
     for (int q = 0; q < r; ++q) {
       if (keys[q] == keys[r]) {

@@ -16,7 +16,7 @@
 
 namespace pycomm {
 
-// What makes two ranks "on the same host" for shared memory: hostname, boot id,
+// What makes two ranks "on the same host" for shared memory: boot id, hostname,
 // and the network, IPC, mount and PID namespaces. Ranks in different network
 // namespaces are different hosts (multi-host tests on one machine use TCP).
 std::string hostKey();
@@ -24,9 +24,11 @@ std::string hostKey();
 // Which ranks share a host: entry r is the lowest rank on rank r's host (its
 // leader). Publishes this rank's key under `<prefix>host/<rank>` and reads
 // everyone's, so every rank computes the same vector. Ranks passing different
-// `salt`s count as different hosts.
+// `salt`s count as different hosts. `ranksOnMachine`, when given, receives how
+// many ranks share this rank's machine (its boot id: one kernel, whatever the
+// namespaces or salts), this rank included.
 std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size,
-                             const std::string& salt = "");
+                             const std::string& salt = "", int* ranksOnMachine = nullptr);
 
 // A mapped shared-memory segment. The creator makes it with O_EXCL, sets it to
 // `bytes` (zero-filled), and removes the name once every user has mapped it
