@@ -165,9 +165,9 @@ PYBIND11_MODULE(_C, m) {
     return result;
   });
   m.def("_reset_stats", [] { pycomm::Stats::instance().reset(); });
-  m.def("_waits_poll", &pycomm::Request::polling,
-        "whether a wait on a TCP message polls before it sleeps (off for good once a group found "
-        "more ranks on this machine than CPUs this process may use)");
+  m.def("_polling_limited", &pycomm::Request::pollingLimited,
+        "whether only waits for small TCP messages (1 byte to 64 KiB) poll before they sleep: "
+        "true for good once a group found more ranks on this machine than CPUs this process may use");
   pycomm::registerKernelBindings(m);
 #ifdef PYCOMM_WITH_CUDA
   m.def("_built_with_cuda", [] { return true; });

@@ -39,14 +39,14 @@ GroupTransport bootstrapGroup(KeyValueStore& store, int rank, int size, const Gr
       if (leaderOf[r] == r) group.hostLeaders.push_back(r);
     }
     // More ranks on this machine (network namespaces included) than CPUs to run
-    // them: a wait that polls takes the core from a rank with work (request.cc).
+    // them: a long wait that polls takes the core from a rank with work (request.cc).
     cpu_set_t allowed;
     CPU_ZERO(&allowed);
     const int cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
-    if (ranksOnMachine > std::max(1, cpus) && Request::polling()) {
-      Request::stopPolling();
+    if (ranksOnMachine > std::max(1, cpus) && !Request::pollingLimited()) {
+      Request::limitPolling();
       debugLog(strCat("rank ", rank, ": ", ranksOnMachine, " ranks on this machine, ", cpus,
-                      " CPUs: waits sleep without polling"));
+                      " CPUs: only waits for small messages poll"));
     }
   }
   std::string shmFailure = tcpOnly ? "PYCOMM_TRANSPORT=tcp" : "";

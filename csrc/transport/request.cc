@@ -11,8 +11,8 @@ namespace {
 // then reaches a waiter that is awake, without a second thread wake-up: on the
 // 2-core VM an 8-byte round trip of send/recv took 168-241 us with two wake-ups
 // per message and 69-142 us with one (benchmarks/results/p2p_latency.txt), so
-// about 50 us per wake-up. Bounded, and yielding; off where ranks outnumber the
-// CPUs (gPolling, below). Not done in
+// about 50 us per wake-up. Bounded, and yielding; only for small messages where
+// ranks outnumber the CPUs (gLimited, below). Not done in
 // waits for the group's worker (PycommWork::wait, the worker's queue): there the
 // waited-for thread computes, and a poller on its core made four queued 256 KiB
 // all-reduces over shared memory 1.5-2x slower, for no gain on 8-byte ones.
@@ -21,21 +21,29 @@ constexpr int kPollMicros = 300;
 // other work (the peer computing, other jobs): polling stops and the waiter sleeps.
 constexpr int kLongYieldMicros = 500;
 
-// Off once a group of this process has more ranks on this machine than CPUs to run
-// them: then the core a poller yields is wanted by another rank's work, and the
-// yields cost that work more than the wake-up they save. Measured on the 2-core VM,
-// 8 ranks in 8 network namespaces, a 16 MiB tree all-reduce over TCP, 2 runs each:
-// 122-181 ms polling, 100-113 ms without (the ring 101-122 against 98-101).
-std::atomic<bool> gPolling{true};
+// Limited once a group of this process has more ranks on this machine than CPUs to
+// run them: then only a wait for a message of 1 byte to kCrowdedPollMaxBytes polls.
+// Such a wait is short (a small call's message), and a wake-up is much of its call;
+// a long one (a large segment in transfer, a 0-byte credit or barrier token that
+// waits on another rank's progress) takes the core a poller yields from a rank with
+// work. Measured on the 2-core VM, 2 runs each, alternating:
+//   8 ranks in 8 network namespaces, 16 MiB tree all-reduce over TCP: every wait
+//   polling 122-181 ms, none 100-113, small messages only 106-133 (0-byte ones too:
+//   127);
+//   4 ranks over loopback TCP, 8-byte ring / tree all-reduce back to back: every wait
+//   284-322 / 226-253 us, none 394-408 / 308-326, small messages only 267-268 / 196-233.
+constexpr size_t kCrowdedPollMaxBytes = 64 << 10;
+std::atomic<bool> gLimited{false};
 }  // namespace
 
-void Request::stopPolling() { gPolling.store(false, std::memory_order_relaxed); }
-bool Request::polling() { return gPolling.load(std::memory_order_relaxed); }
+void Request::limitPolling() { gLimited.store(true, std::memory_order_relaxed); }
+bool Request::pollingLimited() { return gLimited.load(std::memory_order_relaxed); }
 
 bool Request::waitUntil(Clock::time_point deadline) {
   if (finished_.load(std::memory_order_acquire)) return true;
   auto before = Clock::now();
-  const int pollMicros = polling() ? kPollMicros : 0;
+  const bool poll = !pollingLimited() || (bytes_ > 0 && bytes_ <= kCrowdedPollMaxBytes);
+  const int pollMicros = poll ? kPollMicros : 0;
   const auto pollEnd = std::min<Clock::time_point>(before + std::chrono::microseconds(pollMicros), deadline);
   while (before < pollEnd) {
     std::this_thread::yield();

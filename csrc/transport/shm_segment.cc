@@ -93,10 +93,11 @@ std::string machineOf(const std::string& key) { return key.substr(0, key.find('|
 
 std::vector<int> hostLeaders(KeyValueStore& store, const std::string& prefix, int rank, int size,
                              const std::string& salt, int* ranksOnMachine) {
-  store.set(prefix + "host/" + std::to_string(rank), hostKey() + "|" + salt);
+  const std::string mine = hostKey();
+  store.set(prefix + "host/" + std::to_string(rank), mine + "|" + salt);
   std::vector<std::string> keys(size);
   std::vector<int> leader(size);
-  const std::string machine = machineOf(hostKey());
+  const std::string machine = machineOf(mine);
   if (ranksOnMachine) *ranksOnMachine = 0;
   for (int r = 0; r < size; ++r) {
     keys[r] = store.get(prefix + "host/" + std::to_string(r));

@@ -78,13 +78,13 @@ class Request {
 
   // Waits until the request completes or `deadline` passes. Returns false on
   // timeout (the request stays pending); true once it is done or failed. Polls
-  // (yielding) for up to 300 us before it sleeps (request.cc), unless polling is
-  // off in this process.
+  // (yielding) for up to 300 us before it sleeps (request.cc); where polling is
+  // limited, only for a message of 1 byte to 64 KiB.
   bool waitUntil(Clock::time_point deadline);
-  // Turns the polling off for every later wait in this process, for good: a group
+  // Limits the polling for every later wait in this process, for good: a group
   // found more ranks on this machine than this process may use CPUs (bootstrap.cc).
-  static void stopPolling();
-  static bool polling();
+  static void limitPolling();
+  static bool pollingLimited();
   bool completed();
   bool failed();
   std::string error();
