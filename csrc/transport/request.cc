@@ -26,7 +26,7 @@ constexpr int kLongYieldMicros = 500;
 // Such a wait is short (a small call's message), and a wake-up is much of its call;
 // a long one (a large segment in transfer, a 0-byte credit or barrier token that
 // waits on another rank's progress) takes the core a poller yields from a rank with
-// work. Measured on the 2-core VM, 2 runs each, alternating:
+// work. Measured on the 2-core VM, 2-5 runs each, alternating:
 //   8 ranks in 8 network namespaces, 16 MiB tree all-reduce over TCP: every wait
 //   polling 122-181 ms, none 100-113, small messages only 106-133 (0-byte ones too:
 //   127);
