@@ -1,7 +1,5 @@
 #include "transport/bootstrap.h"
 
-#include <sched.h>
-
 #include <algorithm>
 
 #include "common/error.h"
@@ -40,9 +38,8 @@ GroupTransport bootstrapGroup(KeyValueStore& store, int rank, int size, const Gr
     }
     // More ranks on this machine (network namespaces included) than CPUs to run
     // them: a long wait that polls takes the core from a rank with work (request.cc).
-    cpu_set_t allowed;
-    CPU_ZERO(&allowed);
-    const int cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
+    const cpu_set_t allowed = allowedCpuSet();
+    const int cpus = CPU_COUNT(&allowed);
     if (ranksOnMachine > std::max(1, cpus) && !Request::pollingLimited()) {
       Request::limitPolling();
       debugLog(strCat("rank ", rank, ": ", ranksOnMachine, " ranks on this machine, ", cpus,

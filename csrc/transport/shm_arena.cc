@@ -52,11 +52,7 @@ ShmArena::ShmArena(KeyValueStore& store, const std::string& prefix, std::vector<
   control(localRank_).pid.store(static_cast<int32_t>(::getpid()), std::memory_order_release);
   // More local ranks than the CPUs this thread may run on (its affinity mask,
   // e.g. a container's cpuset): a spinning rank would steal its peer's core.
-  CPU_ZERO(&allowed_);
-  if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0) {
-    for (unsigned c = 0; c < std::max(1u, std::thread::hardware_concurrency()) && c < CPU_SETSIZE; ++c)
-      CPU_SET(c, &allowed_);
-  }
+  allowed_ = allowedCpuSet();
   oversubscribed_ = n > static_cast<size_t>(std::max(1, CPU_COUNT(&allowed_)));
   // Oversubscribed: no spin (one look), the core goes to a peer at once (waitFor).
   spin_ = oversubscribed_ ? std::chrono::microseconds(0) : std::chrono::microseconds(50);

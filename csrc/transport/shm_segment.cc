@@ -1,5 +1,9 @@
 #include "transport/shm_segment.h"
 
+#include <algorithm>
+
+#include <thread>
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -85,6 +89,16 @@ std::string hostKey() {
   // The boot id first: it alone names the machine (the kernel), see machineOf.
   return strCat(readFirstLine("/proc/sys/kernel/random/boot_id"), "|", host, "|", namespaceId("net"),
                 "|", namespaceId("ipc"), "|", namespaceId("mnt"), "|", namespaceId("pid"));
+}
+
+cpu_set_t allowedCpuSet() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) {
+    for (unsigned c = 0; c < std::max(1u, std::thread::hardware_concurrency()) && c < CPU_SETSIZE; ++c)
+      CPU_SET(c, &allowed);
+  }
+  return allowed;
 }
 
 namespace {

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <sched.h>
+
 #include <string>
 #include <vector>
 
@@ -20,6 +22,10 @@ namespace pycomm {
 // and the network, IPC, mount and PID namespaces. Ranks in different network
 // namespaces are different hosts (multi-host tests on one machine use TCP).
 std::string hostKey();
+
+// The CPUs this thread may run on (its affinity mask, e.g. a container's cpuset);
+// every CPU the machine has where the mask cannot be read.
+cpu_set_t allowedCpuSet();
 
 // Which ranks share a host: entry r is the lowest rank on rank r's host (its
 // leader). Publishes this rank's key under `<prefix>host/<rank>` and reads
