@@ -635,6 +635,28 @@ def test_call_cost_script_reports_every_rank(tmp_path):
 
 
 @requires_backend
+def test_latency_floor_script_prints_each_kind(tmp_path):
+    """benchmarks/latency_floor.py: the torch op, pycomm's group of one, the all-reduce
+    (whose result it checks) and the floor of twice the group of one, as documented."""
+    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "latency_floor.py")
+    proc = subprocess.run([sys.executable, script, "--ranks", "2", "--iters", "20", "--warmup", "5", "--no-mpi"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    assert proc.returncode == 0, _describe(proc)
+    figures = {}
+    for line in proc.stdout.splitlines():
+        label, _, value = line.rpartition(" ")
+        if label.strip() and not line.startswith("#") and value.replace(".", "", 1).isdigit():
+            figures[label.strip()] = float(value)
+    assert set(figures) == {"torch op (x.add_(0))", "pycomm group of one", "pycomm all-reduce",
+                            "floor (2 x group of one)"}, proc.stdout
+    assert figures["floor (2 x group of one)"] == pytest.approx(2 * figures["pycomm group of one"], abs=0.11)
+    assert all(v > 0 for v in figures.values()), proc.stdout
+    assert "# Open MPI: skipped (--no-mpi)" in proc.stdout, proc.stdout
+    bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr
+
+
+@requires_backend
 def test_call_cost_threads_names_pycomm_threads(tmp_path):
     """call_cost.py --threads: each rank's CPU per call by thread name, where the TCP
     transport's I/O thread shows under the name pycomm gives it (pycomm-io0) and the
