@@ -19,6 +19,7 @@ __all__ = [
     "get_algorithm",
     "select_algorithm",
     "last_algorithm",
+    "monitored_barrier",
 ]
 
 BACKEND_NAME = "pycomm"
@@ -106,3 +107,27 @@ def select_algorithm(nbytes: int, group=None) -> str:
 def last_algorithm(group=None) -> str:
     """The algorithm the last all-reduce on `group` used ("" before the first)."""
     return _backend_of(group).last_algorithm()
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """``torch.distributed.monitored_barrier`` for a pycomm group, which torch's own
+    refuses ("only implemented for GLOO backend") before it reaches the backend.
+
+    The same contract as gloo's: every rank but 0 tells rank 0 it arrived and waits for
+    its answer; rank 0 waits up to ``timeout`` (a timedelta or seconds; default torch's
+    30 minutes) and raises ``Rank 1 failed to pass monitoredBarrier in 2000 ms`` for the
+    first rank that did not arrive, or with ``wait_all_ranks`` for all of them (``Ranks
+    1, 2 failed ...``). The ranks that did arrive raise too, saying rank 0 found a fault.
+    After a failure the group is unusable, as after any pycomm failure. A group whose
+    CPU backend is not pycomm goes to ``torch.distributed.monitored_barrier``."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    if group == dist.GroupMember.NON_GROUP_MEMBER:
+        return  # as torch's: a rank outside the group has nothing to wait for
+    timeout = dist.constants.default_pg_timeout if timeout is None else _timedelta(timeout)
+    if timeout <= datetime.timedelta(0):
+        raise ValueError(f"pycomm monitored_barrier: timeout must be positive (got {timeout})")
+    if not isinstance(group._get_backend(torch.device("cpu")), _C.ProcessGroupPycomm):
+        dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+        return
+    group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)

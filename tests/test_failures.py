@@ -320,3 +320,62 @@ def test_sigkill_in_collective_over_tcp(tmp_path, name):
         assert res is not None and "DistBackendError" in res["error"], res
         assert "rank 2" in res["error"], res
         assert res["seconds"] < 20 + 5, res
+
+
+def _monitored_worker(rank, world, q, rdzv, case):
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+
+    torch.set_num_threads(1)
+    os.environ["PYCOMM_CHECK"] = "1"  # the call check must not run before a monitored barrier
+    dist.init_process_group("pycomm", init_method=f"file://{rdzv}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    absent = {"all": (), "late1": (1,), "all_late": tuple(range(1, world))}[case]
+    result = {}
+    if rank in absent:
+        # Stay in the group until the others are done: leaving would tell them at once.
+        wait_for_files([os.path.join(rdzv, f"done{r}") for r in range(world) if r not in absent], limit_s=60)
+    else:
+        start = time.monotonic()
+        try:
+            pycomm.monitored_barrier(timeout=datetime.timedelta(seconds=1.5), wait_all_ranks=case == "all_late")
+            result["error"] = None
+            x = torch.ones(3)
+            dist.all_reduce(x)  # the group still works after a barrier everyone passed
+            result["sum"] = x.tolist()
+            gloo = dist.new_group(backend="gloo")
+            pycomm.monitored_barrier(gloo, timeout=5)  # another backend: torch's own
+        except Exception as e:  # noqa: BLE001
+            result["error"] = f"{type(e).__name__}: {e}"
+        result["seconds"] = time.monotonic() - start
+        open(os.path.join(rdzv, f"done{rank}"), "w").close()
+    dist.destroy_process_group()
+    q.put((rank, result))
+
+
+@pytest.mark.parametrize("case", ["all", "late1", "all_late"])
+def test_monitored_barrier_names_the_ranks_that_did_not_arrive(tmp_path, case):
+    """pycomm.monitored_barrier: torch's monitored_barrier contract (gloo's words) on a
+    pycomm group, which dist.monitored_barrier refuses for any backend but gloo. Rank 0
+    names the first rank that did not arrive within the timeout, or every one with
+    wait_all_ranks; a rank that arrived learns from rank 0's abort which one it was."""
+    world = 3
+    results = _spawn(_monitored_worker, world, (str(tmp_path), case))
+    assert sorted(results) == list(range(world)), f"ranks reported: {sorted(results)}"
+    if case == "all":
+        for rank in range(world):
+            assert results[rank]["error"] is None and results[rank]["sum"] == [3.0] * 3, results[rank]
+        return
+    zero = results[0]
+    assert zero["error"] is not None and "DistBackendError" in zero["error"], zero
+    if case == "late1":
+        assert "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1500 ms" in zero["error"], zero
+        two = results[2]
+        assert "Rank 2 successfully reached monitoredBarrier" in two["error"], two
+        assert "Rank 1 failed to pass monitoredBarrier" in two["error"], two  # rank 0's verdict, passed on
+        assert two["seconds"] < 1.5 + 5, two
+    else:
+        assert "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 1500 ms" in zero["error"], zero
+    assert 1.4 <= zero["seconds"] < 1.5 + 5, zero

@@ -70,6 +70,10 @@ void alltoallPairwise(Comm& comm, const std::vector<const char*>& sends,
                       const std::vector<size_t>& recvBytes);
 // Dissemination barrier: ceil(log2 n) rounds of empty messages.
 void barrierDissemination(Comm& comm);
+// Monitored barrier (barrier_monitored.cc): rank 0 hears from every rank before the
+// deadline, then answers each; names the first rank that did not arrive (every one
+// with `waitAllRanks`) in the error it fails with.
+void barrierMonitored(Comm& comm, bool waitAllRanks);
 
 // The same collectives through the node-local shared-memory arena (every rank
 // on one host; collectives_shm.cc). Same arguments and results as above;

@@ -33,6 +33,8 @@ class Comm {
   int size() const { return transport_.size(); }
   size_t segmentBytes() const { return segmentBytes_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // When the current collective's waits time out (begin() sets it).
+  Clock::time_point deadline() const { return deadline_; }
   Transport& transport() { return transport_; }
 
   // Starts one collective: a fresh tag, a deadline of now + timeout, and the

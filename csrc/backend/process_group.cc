@@ -247,7 +247,10 @@ std::exception_ptr ProcessGroupPycomm::runTask(Task& task, bool inline_) {
   } else {
     try {
       comm_->begin(task.op, task.timeout);
-      if (config_.checkCalls && comm_->size() > 1) checkSameCall(*comm_, task.signature);
+      // Not before a monitored barrier: the check would wait for the very ranks it is
+      // to name, and time out without naming them.
+      if (config_.checkCalls && comm_->size() > 1 && task.op != kMonitoredBarrier)
+        checkSameCall(*comm_, task.signature);
       comm_->setCall(callHash(task.signature));  // after the check, which names both calls
       if (task.beforeBody) task.beforeBody();
       task.body(*comm_);
@@ -379,6 +382,7 @@ std::string ProcessGroupPycomm::expectedAlgorithm(const std::string& op, uint64_
   if (op == "allreduce" || op == "allreduce_coalesced") return selectAlgorithm(bytes);
   if (op == "allreduce_quantized") return "quantized";
   if (op == "allreduce_sparse") return "sparse";
+  if (op == kMonitoredBarrier) return "monitored";  // point to point, on one host too
   if (getSize() > 1 && topologyOf(*comm_).oneHost) return "shm";
   if (op == "broadcast" || op == "reduce") return "tree";
   if (op.rfind("allgather", 0) == 0 || op.rfind("reduce_scatter", 0) == 0) return "ring";
@@ -901,6 +905,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOp
   return enqueue("barrier", OpType::BARRIER, {}, [](Comm& c) { pycomm::barrier(c); },
                  opts.timeout, Launch{opts.asyncOp, {}, /*workOptional=*/true, /*afterBody=*/{}},
                  signature("barrier"));
+}
+
+void ProcessGroupPycomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  // Blocking, as gloo's: rank 0 names the ranks that did not arrive within
+  // opts.timeout (barrier_monitored.cc). torch's dist.monitored_barrier refuses every
+  // backend but gloo before it gets here; pycomm.monitored_barrier calls it directly.
+  auto work = enqueue(kMonitoredBarrier, OpType::BARRIER, {},
+                      [waitAllRanks](Comm& c) { pycomm::barrierMonitored(c, waitAllRanks); }, opts.timeout,
+                      Launch{/*asyncOp=*/false, {}, /*workOptional=*/true, /*afterBody=*/{}},
+                      signature(kMonitoredBarrier));
+  if (work) work->wait();
 }
 
 // ------------------------------------------------------------ point to point

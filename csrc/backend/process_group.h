@@ -44,6 +44,9 @@ struct CallSignature {
   int32_t reserved = 0;
 };
 
+// The op name of dist.monitored_barrier's calls (errors, stats, the flight recorder).
+constexpr const char* kMonitoredBarrier = "monitored_barrier";
+
 class ProcessGroupPycomm : public c10d::Backend {
  public:
   // Bootstraps the group through `store` (torch's per-group prefix store;
@@ -115,6 +118,7 @@ class ProcessGroupPycomm : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   // Algorithm control and introspection (pycomm.set_algorithm & co).
   void setAlgorithm(const std::string& name);
