@@ -484,23 +484,33 @@ def _rs_inputs(rank, dtype, n, op, w, salt):
     return [make_input(rank, dtype, n, op, salt=f"{salt}->{j}") for j in range(w)]
 
 
+def _rs_share(j, n, mode):
+    # uneven (as gloo allows): rank j's share, the same on every rank; includes zeros
+    return n if mode == "even" else (j % 3) * n
+
+
 def sec_reduce_scatter(ctx, chk, full):
     w = ctx.world_size
     for dtype in DTYPES:
         for op in ops_for(dtype):
-            for n in [0, 1, w + 1, 1001]:
-                what = f"reduce_scatter {dname(dtype)} {op} n={n}/rank"
+            for mode, n in [("even", 0), ("even", 1), ("even", w + 1), ("even", 1001), ("uneven", 1),
+                            ("uneven", 1001)]:
+                what = f"reduce_scatter({mode}) {dname(dtype)} {op} n={n}/rank"
                 chk.note(what)
-                ins = _rs_inputs(ctx.rank, dtype, n, op, w, "rs")
+
+                def inputs(rank):
+                    return [make_input(rank, dtype, _rs_share(j, n, mode), op, salt=f"rs->{j}") for j in range(w)]
+                ins = inputs(ctx.rank)
+                mine = _rs_share(ctx.rank, n, mode)
                 if use_gloo(dtype, op):
                     def gloo_ref():
-                        t = torch.empty(n, dtype=dtype)
+                        t = torch.empty(mine, dtype=dtype)
                         dist.reduce_scatter(t, [x.clone() for x in ins], op=rop(op), group=ctx.ref)
                         return t
                     exp = chk.ref(what, gloo_ref)
                 else:
-                    exp = local_reduce([_rs_inputs(r, dtype, n, op, w, "rs")[ctx.rank] for r in range(w)], op, dtype, w)
-                got = torch.zeros(n, dtype=dtype)
+                    exp = local_reduce([inputs(r)[ctx.rank] for r in range(w)], op, dtype, w)
+                got = torch.zeros(mine, dtype=dtype)
                 if chk.call(what, lambda: dist.reduce_scatter(got, ins, op=rop(op))):
                     chk.compare(what, got, exp)
 

@@ -86,8 +86,9 @@ CASES = {
     "reduce_scatter_tensor wrong input size": (
         "reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(5), torch.ones(WORLD * 5 + 1),
                                                            async_op=True)),
-    "reduce_scatter input list with a wrong-size tensor": (
-        "reducescatter", lambda: dist.reduce_scatter(torch.zeros(5), [torch.ones(5), torch.ones(7)],
+    # (the others' shares may differ in size, as on gloo: only a rank's own is checked)
+    "reduce_scatter input list whose own share is the wrong size": (
+        "reducescatter", lambda: dist.reduce_scatter(torch.zeros(5), [torch.ones(7), torch.ones(7)],
                                                      async_op=True)),
     "all_to_all_single splits do not match the tensor": ("alltoall", _a2a_bad_splits),
 }
@@ -395,3 +396,35 @@ def test_alltoall_splits_that_disagree_between_ranks(alltoall_splits_run):
         out = res.reports[rank]["_disagree_out"]
         assert not any(100 <= v < 110 for v in out), f"rank {rank}: output {out} holds rows of rank 0"
     res.check()  # no crash, no hang
+
+
+def _rs_disagree_worker(ctx):
+    # Locally valid calls that disagree on rank 1's share: rank 0 says 2 elements,
+    # rank 1 says 3 (both agree on rank 0's, 1 element). Rank k contributes k + 1.
+    # A rank fails with a runtime error naming the size mismatch, or returns the
+    # right sum for its share; never a wrong result, never a hang.
+    out = torch.full((1,) if ctx.rank == 0 else (3,), -1.0)
+    shares = [torch.full((1,), ctx.rank + 1.0), torch.full((2,) if ctx.rank == 0 else (3,), ctx.rank + 1.0)]
+    start = time.monotonic()
+    try:
+        dist.reduce_scatter(out, shares)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = _describe(e)
+    return {"error": error, "out": out.tolist(), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_reduce_scatter_shares_that_disagree_between_ranks(transport):
+    res = spawn_run(_rs_disagree_worker, 2, backend=BACKEND, timeout_s=120, pg_timeout_s=10, make_ref=False,
+                    env={"PYCOMM_TRANSPORT": transport}).check()
+    failed = [r for r in (0, 1) if res.returns[r]["error"] is not None]
+    assert 1 in failed, res.returns  # rank 1's share is the one in dispute
+    for rank in (0, 1):
+        got = res.returns[rank]
+        if got["error"] is None:
+            assert got["out"] == [3.0], (rank, got)  # both ranks agreed on rank 0's share
+        else:
+            assert got["error"]["is_runtime_error"], (rank, got)
+            assert "tensor sizes differ between ranks" in got["error"]["msg"], (rank, got)
+        assert got["seconds"] < 5, (rank, got)  # found at once, not at the 10 s timeout

@@ -754,14 +754,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
       usageError(where("reduce_scatter") + "expected one input list of " + std::to_string(getSize()) +
             " tensors");
     Tensors ins = complexAsPairs("reduce_scatter", inputs[0], opts.reduceOp);
+    // As on gloo, the sizes may differ: input j is rank j's share, of rank j's output's
+    // size on every rank. Only this rank's own share is checked here; ranks that disagree
+    // on another's fail in the collective (their messages or arena steps differ in size).
     for (size_t i = 0; i < ins.size(); ++i)
-      checkLike("reduce_scatter", ins[i], output, output.numel(), "input tensor " + std::to_string(i));
+      checkLike("reduce_scatter", ins[i], output,
+                static_cast<int>(i) == getRank() ? output.numel() : ins[i].numel(),
+                "input tensor " + std::to_string(i));
     return enqueue("reduce_scatter", OpType::REDUCE_SCATTER, outputs,
                    [ins, output, dtype, op, premul](Comm& c) {
                      reduceScatterInto(c, ins, output, dtype, op, premul);
                    },
                    opts.timeout, launch,
-                   signature("reduce_scatter", &output, -1, static_cast<int>(op)));
+                   // the inputs' total: the same on every rank when the shares agree
+                   signature("reduce_scatter", &output, totalNumel(ins), static_cast<int>(op)));
   });
 }
 
