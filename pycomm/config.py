@@ -88,11 +88,12 @@ ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_S
 ALGORITHMS = tuple(_C.allreduce_algorithms())
 TRANSPORTS = ("auto", "shm", "tcp")
 # The constants of the cost model (csrc/common/cost_model.h), as named in Python.
-COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta", "cpu_beta_oneway")
+COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta", "cpu_beta_oneway",
+               "link_burst")
 # Fields a calibration made before they existed may lack, and what they then are
 # (cpu_beta 0: the link's beta stood for the TCP copies too; cpu_beta_oneway 0: half of
-# cpu_beta).
-_COST_FIELD_DEFAULTS = {"cpu_beta": 0.0, "cpu_beta_oneway": 0.0}
+# cpu_beta; link_burst 0: no token bucket on the link).
+_COST_FIELD_DEFAULTS = {"cpu_beta": 0.0, "cpu_beta_oneway": 0.0, "link_burst": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,9 +215,12 @@ def read_cost_model(path: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"pycomm: {path} is not a pycomm cost-model calibration ({exc}); "
                          "make one with python -m pycomm.plan --calibrate") from None
-    bad = [name for name, value in model.items() if not (value >= 0.0 and value < 1.0)]
+    # seconds, but link_burst: bytes
+    bad = [name for name, value in model.items()
+           if not (value >= 0.0 and (value < 1.0 or (name == "link_burst" and value < float("inf"))))]
     if bad:
-        raise ValueError(f"pycomm: {path}: {', '.join(bad)} out of range (seconds, in [0, 1))")
+        raise ValueError(f"pycomm: {path}: {', '.join(bad)} out of range (seconds in [0, 1); "
+                         "link_burst: bytes, >= 0)")
     return model
 
 

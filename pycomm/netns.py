@@ -46,6 +46,10 @@ PREFIX = "pcmh"
 IFNAME = "pceth0"  # the host's interface name inside every namespace
 SUBNET = "10.231.7"  # /24, exists only on our private bridges
 CLONE_NEWNET = 0x40000000
+# tc tbf's bucket on each host's egress when a rate is set ("kb": 1024 bytes to tc);
+# pycomm.plan models it (link_burst) in its validation.
+TBF_BURST = "256kb"
+TBF_BURST_BYTES = 256 * 1024
 _counter = itertools.count()
 # enter_cmd's trampoline: argv = [netns name, program path, its arguments...]
 _TRAMPOLINE = (
@@ -189,7 +193,7 @@ class NetnsHosts:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 if self.rate:
                     subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.ifname, "root",
-                                    "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"],
+                                    "tbf", "rate", self.rate, "burst", TBF_BURST, "latency", "50ms"],
                                    check=True, capture_output=True, timeout=20)
         except BaseException:
             self.close()

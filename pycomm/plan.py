@@ -414,7 +414,8 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
     sa, sb = _fit_regimes(shm)
     model = {"alpha": max(a / 2.0, 1e-7), "beta": 0.0, "gamma": gamma, "delta": DEFAULT_MODEL["delta"],
              "shm_alpha": max(sa / 2.0, 1e-8), "shm_beta": max(sb - gamma / 2.0, 1e-13),
-             "cpu_beta": max(b - gamma / 2.0, 1e-12), "cpu_beta_oneway": _one_way(tree, gamma)}
+             "cpu_beta": max(b - gamma / 2.0, 1e-12), "cpu_beta_oneway": _one_way(tree, gamma),
+             "link_burst": 0.0}  # loopback: no token bucket
     # One TCP stream (one socket per peer, one I/O thread): cpu_beta is its time per byte
     # over loopback, so 8 / cpu_beta bit/s is what one stream moves here (pycomm.streams).
     # The ring at the largest size with 2 and 4 streams shows what more streams do on this host.
@@ -440,6 +441,8 @@ def calibrate(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = True,
 def _fmt_const(name: str, value: float) -> str:
     if name == "cpu_beta_oneway" and value <= 0:
         return "cpu_beta / 2 (not measured)"
+    if name == "link_burst":
+        return f"{value / 1024:.0f} KiB" if value > 0 else "0 (none)"
     if "beta" in name or name == "gamma":
         return f"{1.0 / value / 1e9:.2f} GB/s" if value > 0 else "0 (free)"
     return f"{value * 1e6:.1f} us"
@@ -698,7 +701,7 @@ def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = 
     a, b = _fit_regimes(points)
     path = cost_cache_path()
     base = read_cost_model(path) if os.path.exists(path) else dict(DEFAULT_MODEL)
-    model = dict(base, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12),
+    model = dict(base, link_burst=0.0, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12),
                  cpu_beta_oneway=_one_way(tree, gamma))
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "path": "network namespaces: veth + bridge, 2 hosts x 1 rank, no rate", "model": model,
@@ -710,10 +713,15 @@ def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = 
 
 
 def link_model(model: Dict[str, float], rate: Optional[str]) -> Dict[str, float]:
-    """``model`` with a tbf ``rate`` as its link: beta = 1 / (rate x TBF_PAYLOAD)."""
+    """``model`` with a tbf ``rate`` as its link: beta = 1 / (rate x TBF_PAYLOAD), and the
+    bucket's burst (pycomm/netns.py), which a phase that starts on an idle link sends
+    at once (link_burst; the tree's phases do)."""
+    from .netns import TBF_BURST_BYTES
+
     m = dict(model)
     if rate:
         m["beta"] = 8.0 / (_rate(rate) * 1e9 * TBF_PAYLOAD)
+        m["link_burst"] = float(TBF_BURST_BYTES)
     return m
 
 

@@ -112,6 +112,30 @@ def test_measured_one_way_transfers_cost_the_tree():
         assert half == pytest.approx(unset), (ranks, o)
 
 
+def test_a_links_burst_spares_each_tree_phase_its_first_bytes():
+    # link_burst: a token bucket's burst (tc tbf on the validation's namespace hosts).
+    # Each of the tree's phases starts on idle links, so each sends its first B bytes
+    # uncharged: 2 ranks, link-bound, two phases of S each -> 2 (S - B) beta. The ring
+    # keeps its links busy and is unchanged; 0 (the default, a real NIC) changes nothing.
+    b, B = 8e-9, 256 * 1024.0
+    m = model(alpha=10e-6, beta=b, gamma=0.0, cpu_beta=0.0, cpu_beta_oneway=0.0)
+    plain = dict(K.allreduce_costs(S, 2, False, 2, cost_object(m), ingress_limited=False))
+    burst = dict(K.allreduce_costs(S, 2, False, 2, cost_object(dict(m, link_burst=B)), ingress_limited=False))
+    assert plain["tree"] == pytest.approx(2 * m["alpha"] + 2 * S * b)
+    assert burst["tree"] == pytest.approx(plain["tree"] - 2 * B * b)
+    assert burst["ring"] == plain["ring"]
+    # 4 hosts: the reduce's children each send S on their own link (S - B), rank 0
+    # sends S to each of its 2 children on its own (2 S - B)
+    four = dict(K.allreduce_costs(S, 4, False, 4, cost_object(dict(m, link_burst=B)), ingress_limited=False))
+    assert four["tree"] == pytest.approx(4 * m["alpha"] + (S - B) * b + (2 * S - B) * b)
+    # A message smaller than the burst costs no link time at all
+    small = dict(K.allreduce_costs(4096, 2, False, 2, cost_object(dict(m, link_burst=B)), ingress_limited=False))
+    assert small["tree"] == pytest.approx(2 * m["alpha"])
+    # The validation's tbf link model sets it; without a rate there is no bucket
+    assert plan.link_model(m, "1gbit")["link_burst"] == B
+    assert plan.link_model(m, None)["link_burst"] == m["link_burst"] == 0.0
+
+
 def test_one_way_fit_from_the_two_rank_tree():
     a, w, g = 80e-6, 0.9e-9, 0.1e-9
     tree = [(float(s), 2 * a + s * (2 * w + g)) for s in (1 << 20, 4 << 20, 16 << 20)]

@@ -20,6 +20,8 @@
 //            one-way transfer's time per byte; cpuBeta/2 where not measured); the two run
 //            one after the other (tree.cc), each pipelined by segment; with L ranks per
 //            host only the k - log2 L children off rank 0's host load its link;
+//            each phase starts on idle links, so a link with a burst (linkBurst, a
+//            token bucket's) sends its first linkBurst bytes of the phase uncharged;
 //            oversubscribed, every edge's two transfers keep both ends busy (2 w each)
 //   shm:     2 shmAlpha + cpu(2P shmBeta + P gamma)   (one host: through the arena)
 //   hierarchical: shm inside each host (L ranks), the cheapest network algorithm
@@ -115,8 +117,14 @@ double treeCost(size_t bytes, const Topology& t) {
   // A one-way transfer's time per byte: measured (the 2-rank tree, pycomm/plan.py), or
   // the sending or receiving half of the two-way exchange cpuBeta stands for.
   const double oneWay = m.cpuBetaOneWay > 0.0 ? m.cpuBetaOneWay : 0.5 * m.cpuBeta;
-  const double reduce = std::max((t.ingressLimited ? remote : 1.0) * s * m.beta, k * s * (oneWay + m.gamma));
-  const double broadcast = std::max(remote * s * m.beta, k * s * oneWay);
+  // Each phase starts on idle links: the first linkBurst bytes of each sender's go at
+  // once (a token bucket's burst; 0 on a real NIC). Egress-limited, every child of the
+  // reduce sends on its own link; the broadcast's children all on rank 0's.
+  const double burst = m.linkBurst;
+  const double reduceLink =
+      t.ingressLimited ? remote * s * m.beta : std::max(0.0, s - burst) * m.beta;
+  const double reduce = std::max(reduceLink, k * s * (oneWay + m.gamma));
+  const double broadcast = std::max(std::max(0.0, remote * s - burst) * m.beta, k * s * oneWay);
   // Oversubscribed, every edge's two transfers (each keeping both ends busy) and every
   // reduction share the cores.
   const double shared = t.oversubscription * (n - 1) / n * s * (4.0 * oneWay + m.gamma);

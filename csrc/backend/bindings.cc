@@ -35,7 +35,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shm_alpha", &pycomm::CostModel::shmAlpha)
       .def_readwrite("shm_beta", &pycomm::CostModel::shmBeta)
       .def_readwrite("cpu_beta", &pycomm::CostModel::cpuBeta)
-      .def_readwrite("cpu_beta_oneway", &pycomm::CostModel::cpuBetaOneWay);
+      .def_readwrite("cpu_beta_oneway", &pycomm::CostModel::cpuBetaOneWay)
+      .def_readwrite("link_burst", &pycomm::CostModel::linkBurst);
 
   // The one options object (common/group_config.h); pycomm/config.py fills it.
   py::class_<pycomm::GroupConfig>(m, "GroupConfig")

@@ -31,6 +31,11 @@ struct CostModel {
   // receiving half of a two-way exchange. On this project's VM a one-way stream measured
   // 1.06-1.14x that (docs/planner.md), and its two ends together spend up to twice this.
   double cpuBetaOneWay = 0.0;
+  // Bytes a link sends at once after it was idle: a token bucket's burst (tc tbf on
+  // the planner's namespace hosts, pycomm/netns.py), beyond which beta applies. The
+  // tree's phases each start on an idle link, so each phase's first linkBurst bytes
+  // are not charged beta. 0 (a real NIC, and the default): every byte is.
+  double linkBurst = 0.0;
 };
 
 }  // namespace pycomm
