@@ -71,6 +71,7 @@ import dataclasses
 import datetime
 import fcntl
 import json
+import math
 import os
 import socket
 import struct
@@ -215,9 +216,9 @@ def read_cost_model(path: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"pycomm: {path} is not a pycomm cost-model calibration ({exc}); "
                          "make one with python -m pycomm.plan --calibrate") from None
-    # seconds, but link_burst: bytes
+    # seconds, in [0, 1); link_burst is bytes, any finite count
     bad = [name for name, value in model.items()
-           if not (value >= 0.0 and (value < 1.0 or (name == "link_burst" and value < float("inf"))))]
+           if not 0.0 <= value < (math.inf if name == "link_burst" else 1.0)]
     if bad:
         raise ValueError(f"pycomm: {path}: {', '.join(bad)} out of range (seconds in [0, 1); "
                          "link_burst: bytes, >= 0)")

@@ -48,8 +48,8 @@ SUBNET = "10.231.7"  # /24, exists only on our private bridges
 CLONE_NEWNET = 0x40000000
 # tc tbf's bucket on each host's egress when a rate is set ("kb": 1024 bytes to tc);
 # pycomm.plan models it (link_burst) in its validation.
-TBF_BURST = "256kb"
 TBF_BURST_BYTES = 256 * 1024
+TBF_BURST = f"{TBF_BURST_BYTES // 1024}kb"
 _counter = itertools.count()
 # enter_cmd's trampoline: argv = [netns name, program path, its arguments...]
 _TRAMPOLINE = (

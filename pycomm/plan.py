@@ -701,8 +701,8 @@ def calibrate_netns(max_bytes: int = 16 << 20, iters: int = 10, verbose: bool = 
     a, b = _fit_regimes(points)
     path = cost_cache_path()
     base = read_cost_model(path) if os.path.exists(path) else dict(DEFAULT_MODEL)
-    model = dict(base, link_burst=0.0, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12),
-                 cpu_beta_oneway=_one_way(tree, gamma))
+    model = dict(base, alpha=max(a / 2.0, 1e-7), beta=0.0, gamma=gamma, cpu_beta=max(b - gamma / 2.0, 1e-12),
+                 cpu_beta_oneway=_one_way(tree, gamma), link_burst=0.0)  # no rate: no bucket
     calibration = {"host": socket.gethostname(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                    "path": "network namespaces: veth + bridge, 2 hosts x 1 rank, no rate", "model": model,
                    "codec": codec, "points": {"ring_netns": points, "tree_netns": tree},
