@@ -9,6 +9,11 @@ and csrc/backend/cuda_*.cc and defines PYCOMM_WITH_CUDA; otherwise it is the CPU
 CppExtension, unchanged. PYCOMM_BUILD_CUDA=0 forces the CPU build, =1 makes a
 missing CUDA toolchain an error. pycomm.built_with_cuda() tells which was built.
 
+Incremental: objects live in build/temp-<torch>-<cpu|cuda>/ (not pip's fresh temporary
+folder), so ninja recompiles only what changed and `pip install -e .` after a one-line
+change, or a second `make install`, compiles nothing; torch wraps the compiler in ccache
+where it is installed. A --build-temp given on the command line (make asan-build) wins.
+
 Sanitizers: PYCOMM_SANITIZE=address,undefined (any -fsanitize= list) builds with
 those sanitizers at -O1 -g with frame pointers. Build it apart from the normal
 extension (`make test-asan` does: --build-temp/--build-lib under build-asan/) and
@@ -98,6 +103,18 @@ def extension():
     )
 
 
+class Build(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension with objects in a build folder of our own that outlives pip's
+    temporary one (pip -e points build_temp at a fresh folder on every install)."""
+
+    def finalize_options(self):
+        explicit = self.build_temp is not None  # --build-temp on the command line
+        super().finalize_options()
+        if not explicit and not SANITIZE:
+            kind = "cuda" if WITH_CUDA else "cpu"
+            self.build_temp = os.path.join(ROOT, "build", f"temp-{torch.__version__}-{kind}")
+
+
 setup(
     name="pycomm",
     version="0.1.0",
@@ -107,7 +124,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch", "numpy", "scikit-learn", "pyyaml", "tqdm", "matplotlib"],
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": Build},
     entry_points={
         "console_scripts": [
             "pycomm-bench=pycomm.bench:main",
