@@ -1,65 +1,8 @@
 """Every PYCOMM_* environment knob, read in one place.
 
-=====================  =========  ==================================================
-variable               default    meaning
-=====================  =========  ==================================================
-PYCOMM_ALGO            auto       all-reduce algorithm: auto or a name of the C++
-                                  table (ring, sharded, tree, shm, hierarchical;
-                                  ALGORITHMS below, read from pycomm._C); auto takes
-                                  shm or hierarchical where they fit, else the cost
-                                  model's choice
-PYCOMM_TRANSPORT       auto       auto: shared memory among ranks on one host (same
-                                  hostname, boot id and namespaces), TCP between
-                                  hosts; shm: the same, and a failure to set up
-                                  shared memory is an error; tcp: TCP only
-PYCOMM_SEGMENT_BYTES   262144     pipeline segment size in bytes
-PYCOMM_SOCKET_IFNAME   (unset)    network interface to listen on (e.g. eth0)
-PYCOMM_CHECK           0          1 makes ranks compare each collective's call (op,
-                                  dtype, element count, reduce op, root) before
-                                  running it, so a mismatch fails with an error
-                                  naming the ranks; also on with
-                                  TORCH_DISTRIBUTED_DEBUG=DETAIL. Costs one small
-                                  all-gather per collective.
-PYCOMM_SHM_SPREAD      1          with more ranks on a host than CPUs they may use,
-                                  a rank crowded on one CPU moves to a freer one; 0
-                                  leaves placement to the kernel
-PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce,
-                                  dropped connections and failures to stderr (the
-                                  C++ core's switch is process-wide)
-PYCOMM_SECRET          (unset)    the job secret's text, the same on every rank: each
-                                  connection between ranks is authenticated (both
-                                  ways, challenge-response) with a key derived from
-                                  it, and nothing secret goes into torch's store, so
-                                  store access alone does not let a process join.
-                                  Unset: rank 0 draws a random secret into the store
-PYCOMM_SECRET_FILE     (unset)    path of a file holding the job secret (instead of
-                                  PYCOMM_SECRET; surrounding whitespace and the final
-                                  newline are ignored). Setting both is an error
-PYCOMM_COST_MODEL      (cache)    the constants of the all-reduce cost model that
-                                  auto uses among the network algorithms: unset =
-                                  this host's calibration cache if there is one
-                                  (python -m pycomm.plan --calibrate writes it),
-                                  "default" = the built-in constants, or the path of
-                                  a calibration JSON. Every rank uses rank 0's
-PYCOMM_SOCKETS_PER_PEER auto     TCP streams per pair of ranks (1..16): a message of
-                                  128 KiB or more is cut into one stripe per stream,
-                                  so one large message fills a link that one stream
-                                  cannot. auto: the fewest streams that fill the link
-                                  (its speed from /sys/class/net, this host's
-                                  per-stream throughput from the calibration cache;
-                                  pycomm.streams), 1 when either is unknown
-                                  (loopback). Every rank uses rank 0's
-PYCOMM_IO_THREADS      auto       epoll threads driving the TCP streams (1..16, at
-                                  most one per stream). auto: one per stream, up to
-                                  half the CPUs
-PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
-                                  auto / 0 / 1 = CUDA sources when available /
-                                  never / required
-=====================  =========  ==================================================
-
-Without PYCOMM_SOCKET_IFNAME, pycomm listens on the local address that routes to
-the rendezvous host (MASTER_ADDR or the TCPStore's host), falling back to the
-host name's address, then to 127.0.0.1.
+The variables (ENV_VARS below), their defaults and what they do are documented in
+one place, docs/configuration.md; tests/test_docs.py checks that it lists exactly
+ENV_VARS.
 
 This module is the only reader of PYCOMM_* (setup.py reads PYCOMM_BUILD_CUDA at
 build time): `group_config` turns a `Config` plus what torch passes into the C++
@@ -99,6 +42,9 @@ _COST_FIELD_DEFAULTS = {"cpu_beta": 0.0, "cpu_beta_oneway": 0.0, "link_burst": 0
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """A process group's PYCOMM_* settings (docs/configuration.md), as `load_config`
+    read them from the environment."""
+
     algorithm: str = "auto"
     segment_bytes: int = 256 * 1024
     socket_ifname: str | None = None
@@ -124,6 +70,8 @@ def _flag(env, name: str, default: str) -> bool:
 
 
 def load_config(environ=None) -> Config:
+    """The PYCOMM_* settings in `environ` (default: os.environ) as a Config; ValueError
+    naming the variable when a value is invalid."""
     env = os.environ if environ is None else environ
     algorithm = env.get("PYCOMM_ALGO", "auto").strip().lower() or "auto"
     if algorithm not in ALGORITHMS:
