@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci
+.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs
 
 install:
 	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
@@ -29,7 +29,7 @@ check-cuda:
 	  $(NVCC) -std=c++17 -arch=sm_90 -ccbin g++ -Xcompiler -Wall -Icsrc -c $$f -o /dev/null || exit 1; \
 	done
 
-# Sanitizers (README "Sanitizers"): pycomm._C built with ASan + UBSan into build-asan/
+# Sanitizers (docs/development.md, "Sanitizers"): pycomm._C built with ASan + UBSan into build-asan/
 # (never over the normal build), staged as a copy of the package in build-asan/pkg,
 # then the failure-path, fuzz and C++ transport tests run against it. python itself is
 # not sanitized: the ASan runtime is preloaded (every spawned rank inherits it) and
@@ -76,5 +76,14 @@ test-asan: asan-build
 test-asan-ci: asan-build
 	$(ASAN_ENV) $(PYTHON) -m pytest -q $(ASAN_CI_TESTS)
 
+# The documentation site (mkdocs.yml; docs/development.md, "This documentation"):
+# --strict turns every warning (a broken link, a page missing from the nav's
+# files, a docstring mkdocstrings cannot render) into a failure. mkdocstrings reads
+# the sources without importing them, so no build of pycomm._C is needed.
+DOCS_PIP := mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
+docs:
+	$(PIP) install --quiet $(DOCS_PIP)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf build build-asan *.egg-info pycomm/_C*.so
+	rm -rf build build-asan site *.egg-info pycomm/_C*.so
