@@ -5,9 +5,26 @@ PIP := $(PYTHON) -m pip
 
 .PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs
 
-install:
-	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
+# `make install` does nothing when nothing it depends on changed: the stamp is newer than
+# the C++ sources, setup.py and this file, and the extension is in place. Otherwise pip
+# installs the requirements and builds pycomm; setup.py keeps the objects in build/temp-*/
+# so only what changed is recompiled (through ccache where installed).
+DEPS := torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
+STAMP := build/install.stamp
+SOURCES := $(shell find csrc -name '*.cc' -o -name '*.h' -o -name '*.cu') setup.py pyproject.toml Makefile
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	$(PIP) install --quiet $(DEPS)
 	$(PIP) install --quiet --no-build-isolation -e .
+	@mkdir -p $(dir $@) && touch $@
+
+# A missing extension (make clean, a fresh clone) or a python without pycomm installed
+# always rebuilds, whatever the stamp says.
+ifneq ($(shell $(PYTHON) -c "import pycomm._C" 2>/dev/null && echo ok),ok)
+.PHONY: $(STAMP)
+endif
 
 demo: install
 	$(PYTHON) -m pycomm.demo
