@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .compression import (
+from ..compression import (
     SUPPORTED_BITS,
     QuantizedTensor,
     dequantize_blockwise,
@@ -118,7 +118,7 @@ def _is_pycomm(group) -> bool:
 def _pycomm_backend(group):
     """The group's ProcessGroupPycomm, or None when it runs on another backend."""
     try:
-        from . import _C
+        from .. import _C
 
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         backend = pg._get_backend(torch.device("cpu"))
@@ -255,7 +255,7 @@ class AllreduceState:
         if self.algorithm is None:
             return
         if _is_pycomm(self.process_group):
-            from ._backend import set_algorithm
+            from .._backend import set_algorithm
 
             set_algorithm(self.algorithm, self.process_group)
         elif self.algorithm != "auto":
@@ -417,7 +417,7 @@ class _CompressionState:
         if not segments or not (self.error_feedback or self._momenta):
             return None
         if buffer.device.type == "cpu" and buffer.is_contiguous():
-            from ._C import kernels
+            from .._C import kernels
 
             zero = kernels.zero_segments(buffer, [o for _, o, _ in segments], [n for _, _, n in segments])
         else:
@@ -976,7 +976,7 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
     was not selected). Returns (int64 indices + ``base``, float32 values, dense) where dense
     lists ``(base + offset, gradient + residual)`` of the parameters too small to pay
     (:meth:`TopKState.compressed`), whose residuals become zero: they are sent exactly."""
-    from ._C import kernels
+    from .._C import kernels
 
     grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     element_bytes, value_bytes = buffer.element_size(), _WIRE_BYTES[value_dtype]
