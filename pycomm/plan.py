@@ -120,7 +120,7 @@ def predict(model: Dict[str, float], topology: Topology, nbytes: int,
     return out
 
 
-# TopKState's defaults: values travel as bfloat16, owners keep 2 x density (hooks.py).
+# TopKState's defaults: values travel as bfloat16, owners keep 2 x density (pycomm/hooks/topk.py).
 TOPK_VALUE_BYTES = 2
 TOPK_OWNER_FACTOR = 2.0
 SPARSE_HEADER_BYTES = 16  # allreduce_sparse.cc: {format, nnz, payload_bytes}, one per message pair
@@ -335,9 +335,9 @@ def _kernel_costs(nbytes: int = 16 << 20) -> Tuple[float, Dict[str, float]]:
     a, b = torch.randn(n), torch.randn(n)
     gamma = _seconds_per_byte(lambda: k.reduce(a, b, "sum", out=a), nbytes)
     residual = torch.zeros(n)
-    exact = n < (1 << 23)  # as the hook picks (hooks._APPROX_MIN_NUMEL)
+    exact = n < (1 << 23)  # as the hook picks (hooks.topk._APPROX_MIN_NUMEL)
     topk = _seconds_per_byte(lambda: k.topk_ef_segments(a, residual, [0], [n], 0.01, [exact], [1], 0), nbytes)
-    average = _seconds_per_byte(lambda: torch.div(residual, 2.0, out=b), nbytes)  # hooks._averaged_into
+    average = _seconds_per_byte(lambda: torch.div(residual, 2.0, out=b), nbytes)  # hooks._common._averaged_into
     topk += _seconds_per_byte(lambda: torch.zeros(n), nbytes) + average
     packed = k.quantize(a, 8, QUANT_BLOCK)
     quant = _seconds_per_byte(lambda: k.quantize(a, 8, QUANT_BLOCK), nbytes)
