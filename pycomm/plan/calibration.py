@@ -45,8 +45,8 @@ import statistics
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _C
-from .config import COST_FIELDS, cost_cache_path, read_cost_model
+from .. import _C
+from ..config import COST_FIELDS, cost_cache_path, read_cost_model
 
 __all__ = ["DEFAULT_MODEL", "Topology", "predict", "winners", "break_even_gbps", "calibrate", "validate",
            "calibrate_netns", "link_model", "validate_hosts", "validation_table", "oversubscription",
@@ -293,7 +293,7 @@ def _sweep(algo: str, transport: str, max_bytes: int, iters: int, sockets: int =
            min_bytes: int = 8) -> List[Tuple[float, float]]:
     """(bytes, seconds) of pycomm's 2-rank all-reduce with ``algo`` over ``transport``
     (``sockets`` TCP streams per peer, one I/O thread each)."""
-    from .bench import BenchConfig, run_benchmark
+    from ..bench import BenchConfig, run_benchmark
 
     knobs = {"PYCOMM_TRANSPORT": transport, "PYCOMM_SOCKETS_PER_PEER": str(sockets),
              "PYCOMM_IO_THREADS": str(sockets)}
@@ -366,7 +366,7 @@ def _hook_costs(rows: Sequence[dict]) -> Dict[str, float]:
 
 def _hook_rows(iters: int = 3) -> List[dict]:
     """pycomm-bench's compressed columns, 2 ranks over TCP loopback, 1-64 MiB."""
-    from .bench import BenchConfig, run_benchmark
+    from ..bench import BenchConfig, run_benchmark
 
     with _env("PYCOMM_TRANSPORT", "tcp"):
         cfg = BenchConfig(nprocs=2, min_bytes=1 << 20, max_bytes=64 << 20, step_factor=4, iters=iters, warmup=1,
@@ -641,7 +641,7 @@ def validate(model, codec, ranks: Sequence[int] = (2, 4), max_bytes: int = 64 <<
     """On this host: ring / sharded / tree over TCP and shm, from 1 MiB, against the
     prediction with the ranks per core of this machine. Returns (table lines, {ranks:
     worst relative error})."""
-    from .bench import BenchConfig, run_benchmark
+    from ..bench import BenchConfig, run_benchmark
 
     lines = [f"{'ranks':>5} {'algorithm':>9} {'size':>9} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"]
     worst: Dict[int, float] = {}
@@ -672,7 +672,7 @@ def _host_rows(hosts: int, rate: Optional[str], algos: Sequence[str], min_bytes:
                iters: int, warmup: int, cost_path: Optional[str] = None) -> List[dict]:
     """pycomm-bench --hosts ``hosts`` (one rank each, tbf ``rate`` on each host's egress):
     the rows with a time. ``cost_path``: the ranks' PYCOMM_COST_MODEL (what auto uses)."""
-    from .bench import BenchConfig, run_benchmark
+    from ..bench import BenchConfig, run_benchmark
 
     cfg = BenchConfig(nprocs=hosts, hosts=hosts, ranks_per_host=1, rate=rate, min_bytes=min_bytes,
                       max_bytes=max_bytes, step_factor=4, iters=iters, warmup=warmup, algos=tuple(algos),
@@ -716,7 +716,7 @@ def link_model(model: Dict[str, float], rate: Optional[str]) -> Dict[str, float]
     """``model`` with a tbf ``rate`` as its link: beta = 1 / (rate x TBF_PAYLOAD), and the
     bucket's burst (pycomm/netns.py), which a phase that starts on an idle link sends
     at once (link_burst; the tree's phases do)."""
-    from .netns import TBF_BURST_BYTES
+    from ..netns import TBF_BURST_BYTES
 
     m = dict(model)
     if rate:
@@ -728,7 +728,7 @@ def link_model(model: Dict[str, float], rate: Optional[str]) -> Dict[str, float]
 def _compressed_name(column: str) -> Optional[str]:
     """The prediction's name of a pycomm-bench compressed column ("topk1%" -> "topk d=0.01",
     "quant8" -> "quantize 8-bit"), or None."""
-    from .bench.runners import compressed_spec
+    from ..bench.runners import compressed_spec
 
     spec = compressed_spec(column)
     if spec is None:
@@ -860,7 +860,7 @@ def netns_cache_path() -> str:
 
 
 def _validate_command(args) -> None:
-    from .bench.hosts import hosts_unavailable_reason
+    from ..bench.hosts import hosts_unavailable_reason
 
     hosts = [int(h) for h in args.validate_hosts.split(",") if h.strip()]
     rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",") if r.strip()]
@@ -908,7 +908,7 @@ def _uptime() -> str:
 def stream_lines(per_stream: Optional[float], link: Optional[float], where: str) -> List[str]:
     """The TCP stream model (pycomm.streams): what 1, 2, 4, 8 and 16 streams move over
     ``link`` Gbit/s when one moves ``per_stream``, and what auto picks."""
-    from .streams import choose_streams, stream_gbps
+    from ..streams import choose_streams, stream_gbps
 
     sockets, threads = choose_streams(link, per_stream)
     head = (f"# TCP streams: one stream moves {per_stream:.2f} Gbit/s on this host (calibration)"
@@ -955,8 +955,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"# cached: {save_calibration(calibration, args.model)}")
         model, codec, source = load_calibration(args.model)
         print(f"# model from {source}: " + ", ".join(f"{k} {_fmt_const(k, v)}" for k, v in model.items()))
-        from .config import _per_stream, bind_address, load_config
-        from .streams import link_gbps
+        from ..config import _per_stream, bind_address, load_config
+        from ..streams import link_gbps
         per_stream = _per_stream({"PYCOMM_COST_MODEL": args.model} if args.model else os.environ)
         if args.bandwidth:
             print("\n".join(stream_lines(per_stream, args.bandwidth, "--bandwidth")))
