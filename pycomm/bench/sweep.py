@@ -326,6 +326,11 @@ class BenchConfig:
     hosts: Optional[int] = None
     ranks_per_host: int = 1
     rate: Optional[str] = None
+    # The ranks' pycomm settings (PYCOMM_* name -> value) over their environment, handed to
+    # the group as pg_options (pycomm.config.with_settings): how a caller such as
+    # python -m pycomm.plan picks the transport or the streams of a run without touching
+    # os.environ. None: the environment alone.
+    settings: Optional[Dict[str, str]] = None
 
     @property
     def op_name(self) -> str:
@@ -353,6 +358,13 @@ class BenchConfig:
             raise ValueError(f"{PREFIX} --rate and --ranks-per-host need --hosts")
         if self.nprocs < 1:
             raise ValueError(f"{PREFIX} --nprocs must be at least 1 (got {self.nprocs})")
+        if self.settings:
+            from ..config import load_config, with_settings
+
+            try:
+                load_config(with_settings(self.settings))
+            except ValueError as exc:
+                raise ValueError(f"{PREFIX} settings: {exc}") from None
         if self.iters < 1:
             raise ValueError(f"{PREFIX} --iters must be at least 1 (got {self.iters})")
         if self.warmup < 0:

@@ -1,6 +1,6 @@
 import sys
 
-from .calibration import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())
