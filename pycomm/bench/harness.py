@@ -220,7 +220,7 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
     if cfg.hosts:
         from .hosts import run_on_hosts
 
-        result = run_on_hosts(cfg)
+        result = run_on_hosts(cfg, bench_worker)
     else:
         result = launch_workers(bench_worker, cfg.nprocs, cfg, prefix=PREFIX, expected_errors=(PREFIX,))
     if cfg.mpi:

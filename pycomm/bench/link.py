@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .sweep import PREFIX
+from .config import PREFIX
 
 __all__ = ["tcp_ring_bandwidth", "LINK_SECONDS"]
 
