@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from .config import TrainConfig
+from .base import StrategySpec, register_strategy
+from .config import TrainConfig, check_own_loop
 from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
 from .straggler import Straggler, parse_straggler
@@ -65,7 +66,7 @@ from .tasks import get_task
 
 __all__ = ["AsyncPSTrainer", "lease_feasible"]
 
-_PREFIX = "pycomm train:"
+from .base import _PREFIX
 
 _TAG_LEASE_HEADER = 301
 _TAG_LEASE = 302
@@ -459,3 +460,6 @@ class AsyncPSTrainer:
         loss, correct, count = totals.tolist()
         return {"event": "eval", "step": self.total_updates, "test_loss": loss / count,
                 "test_accuracy": correct / count, "elapsed_s": self.elapsed_s}
+
+
+register_strategy(StrategySpec("async_ps", trainer=AsyncPSTrainer, validate=check_own_loop))

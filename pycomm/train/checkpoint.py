@@ -30,7 +30,7 @@ __all__ = ["atomic_save", "atomic_write_text", "checkpoint_path", "find_checkpoi
 
 # 2: RNG states stored as tensors (1 held a NumPy array and tuples, and needed full unpickling)
 FORMAT_VERSION = 2
-_PREFIX = "pycomm train:"
+from .base import _PREFIX
 
 
 def _fsync_dir(directory: str) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from . import checkpoint as ckpt
+from .base import strategy_spec, trainer_factory
 from .config import TrainConfig
 from .metrics import CommMeter, MetricsLogger
 from .memory import RssPeak, memory_report
@@ -36,7 +37,7 @@ from .tasks import Task, get_task
 
 __all__ = ["Trainer", "train", "build_trainer"]
 
-_PREFIX = "pycomm train:"
+from .base import _PREFIX
 
 
 class _Indices:
@@ -415,25 +416,19 @@ class Trainer:
 
 def train(cfg: TrainConfig, process_group=None, control_group=None, max_steps: Optional[int] = None):
     """``Trainer(cfg, ...).fit(max_steps)`` inside an initialised process group."""
-    if cfg.strategy in ("async_ps", "cocoa"):
+    if strategy_spec(cfg.strategy).trainer is not None:
         return build_trainer(cfg, process_group, control_group).fit()
     return build_trainer(cfg, process_group, control_group).fit(max_steps)
 
 
 def build_trainer(cfg: TrainConfig, process_group=None, control_group=None):
-    """The trainer for ``cfg``: :class:`Trainer` (DDP), the strategies with a loop of their own
-    (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`), or for ``parallel`` other than
-    ddp :class:`~pycomm.train.parallel.ParallelTrainer`."""
-    if cfg.strategy == "async_ps":
-        from .async_ps import AsyncPSTrainer
-
-        return AsyncPSTrainer(cfg, process_group, control_group)
-    if cfg.strategy == "cocoa":
-        from .cocoa import CoCoATrainer
-
-        return CoCoATrainer(cfg, process_group, control_group)
+    """The trainer for ``cfg``: :class:`Trainer` (DDP), a strategy's loop of its own
+    (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`; the registry in
+    pycomm.train.base says which), or for ``parallel`` other than ddp
+    :class:`~pycomm.train.parallel.ParallelTrainer`."""
+    own = strategy_spec(cfg.strategy).trainer
+    if own is not None:
+        return own(cfg, process_group, control_group)
     if cfg.parallel != "ddp":
-        from .parallel import ParallelTrainer
-
-        return ParallelTrainer(cfg, process_group, control_group)
+        return trainer_factory("parallel")(cfg, process_group, control_group)
     return Trainer(cfg, process_group, control_group)
