@@ -113,8 +113,7 @@ class CompressedRunner(TorchRunner):
     the column. Each call first copies a gradient-like buffer in (normal values, seeded
     by the rank and size; the copy is timed too, as DDP's copy into its bucket would
     be): the sweep's constant fill is all ties, which top-k's exact selection handles
-    far more slowly than real gradients (16 MiB at 2 ranks over TCP, 2026-11-26: 87-92 ms
-    against 33.5)."""
+    far more slowly than real gradients (benchmarks/results/topk_ties.txt)."""
 
     exact = False
 

@@ -93,8 +93,7 @@ LARGE_BYTES = 16 * 2 ** 20
 # Small messages are timed in blocks of back-to-back calls. Every sample follows one
 # untimed call of the same run when several runs alternate: it realigns the ranks
 # (the previous column's call may finish at different times on different ranks, and
-# that skew would otherwise land in this column's time; after a gloo call of some
-# milliseconds it tripled the 8 MiB shm time in some runs).
+# that skew would otherwise land in this column's time).
 BLOCK_SMALL_BYTES, BLOCK_SMALL = 64 * 2 ** 10, 16
 BLOCK_MEDIUM_BYTES, BLOCK_MEDIUM = 2 ** 20, 4
 MIN_LARGE_ITERS = 3

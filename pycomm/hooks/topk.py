@@ -11,12 +11,12 @@ from ._common import (_aborts_group_on_error, _all_gather_bytes, _as_bytes, _ave
 from .exchange import _HostGroups, _hosts_config, _hosts_exchange
 from .state import _CompressionState, _start_compressed
 
-# Parameters smaller than this use the exact top-k kernel even when exact=False: since the
-# exact kernel collects its candidates above a sampled bound (kernels/cpu/topk.cc), it is as
-# fast as the sampled-threshold kernel up to 2^23 elements (topk_ef, one thread, 1%: 2^20
-# 0.86 against 1.60 ms, 2^23 11.8 against 13.2 ms; measured on this machine, 2026-11-23).
+# Parameters smaller than this use the exact top-k kernel even when exact=False: the exact
+# kernel collects its candidates above a sampled bound (kernels/cpu/topk.cc), which makes it
+# as fast as the sampled-threshold kernel up to 2^23 elements (benchmarks/kernels_cpu.py;
+# docs/compression.md).
 _APPROX_MIN_NUMEL = 1 << 23
-# CUDA tensors keep the earlier threshold: the CUDA kernels were not measured for this.
+# CUDA tensors keep 2^20: where the CUDA kernels cross over has not been measured.
 _APPROX_MIN_NUMEL_CUDA = 1 << 20
 # TopKState(schedule=...): "bucket" starts each bucket's sparse all-reduce as DDP hands the
 # bucket over; "step" encodes each bucket as it comes and sends the whole step in one.
@@ -38,14 +38,14 @@ class TopKState(_CompressionState):
     elsewhere) or ``"allgather"`` (all_gather everywhere).
     ``value_dtype``: values on the wire of the sparse all-reduce, ``"bfloat16"``
     (default), ``"float16"`` or ``"float32"``; None: the bucket's dtype (float32 unless a
-    16-bit wrapper cast it). Wire rounding goes into the residual. (float32 was the
-    default before: bfloat16 sends about a third fewer bytes per pair, which pays for
-    ``small_bits``; docs/compression.md, *The tiny LM within a point*.)
+    16-bit wrapper cast it). Wire rounding goes into the residual. (bfloat16 sends about
+    a third fewer bytes per pair than float32, which pays for ``small_bits``;
+    docs/compression.md, *The tiny LM within a point*.)
     ``owner_density``: on the sparse all-reduce, each chunk owner sends back the top
     ``owner_density`` of its reduced chunk (None: ``2 * density``, at most 1; 0: every
     nonzero entry, the exact sum of all ranks' selections); what it drops goes into its
-    residual. Keeping only ``density`` there (the default before) dropped up to half of
-    the ranks' selections at 2 ranks and cost accuracy with momentum SGD
+    residual. Keeping only ``density`` there drops up to half of the ranks' selections at
+    2 ranks and costs accuracy with momentum SGD
     (docs/compression.md, *Accuracy with the user's optimizer*).
     ``momentum``: DGC's momentum correction (Lin et al. 2018): the hook keeps a velocity
     ``u <- momentum * u + g`` per parameter and selects from ``u + residual``; the selected
@@ -462,8 +462,7 @@ def _topk_sparse(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, 0, value_dtype)
     # The encode has read the bucket: a float32 CPU bucket takes the average itself (the
     # collective divides as it places the sums), which spares a bucket-sized allocation
-    # per call, whose fresh pages were faulted in every call (16 MiB at 2 ranks: ~10 of a
-    # 22 ms call), and the pass that divided it.
+    # per call (its fresh pages faulted in on every call) and the pass that divided it.
     in_place = buffer.dtype == torch.float32 and buffer.is_contiguous()
     out = buffer if in_place else torch.empty(numel, dtype=torch.float32)
     fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step,

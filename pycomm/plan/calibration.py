@@ -53,8 +53,8 @@ CALIBRATION_ROUNDS = 3  # sweeps per calibration, each size's median kept
 
 def _median_points(runs: Sequence[Sequence[Tuple[float, float]]]) -> List[Tuple[float, float]]:
     """(bytes, seconds) per size: the median over ``runs`` of the same sweep (sizes
-    missing from a run count from the others). One sweep on this VM moved by up to
-    1.7x within ten minutes (docs/planner.md, "One run, and how much this VM moves"); the
+    missing from a run count from the others). One sweep on a shared host can move a
+    lot from the next (docs/planner.md, "One run, and how much this VM moves"); the
     median of three keeps one slow or fast sweep out of the fit."""
     by_size: Dict[float, List[float]] = {}
     for run in runs:
@@ -120,8 +120,7 @@ def _hook_costs(rows: Sequence[dict]) -> Dict[str, float]:
     where the CPU, not a link, is the limit). It holds the encode with error feedback,
     the compressed all-reduce's own CPU work (the owners' sums and selections, the
     zeroed output), the average written back and the TCP copies of the few compressed
-    bytes. The codec kernels alone (_kernel_costs) are a fraction of it: on this VM
-    about a fifth for top-k."""
+    bytes. The codec kernels alone (_kernel_costs) are a fraction of it (docs/planner.md)."""
     costs = {}
     for column, key in HOOK_COLUMNS.items():
         points = [(float(row["size_bytes"]), row["time_us"] * 1e-6) for row in rows
@@ -149,8 +148,7 @@ def _tree_from(max_bytes: int) -> int:
 def _one_way(tree: Sequence[Tuple[float, float]], gamma: float) -> float:
     """cpu_beta_oneway from the 2-rank tree's large sizes: its slope is 2 w + gamma (S up,
     reduced at rank 0, then S down, one way at a time). Measured rather than taken as half
-    of cpu_beta (the two-way exchange's); on this project's VM it came out 1.06-1.14x that
-    (docs/planner.md). A fit that leaves nothing for the transfers (slope <= gamma: noisy
+    of cpu_beta (the two-way exchange's): the two need not agree (docs/planner.md). A fit that leaves nothing for the transfers (slope <= gamma: noisy
     or too few points) gives 0, "not measured", which the model reads as cpu_beta / 2: a
     tiny w would make the tree look free to ``auto``."""
     large = [(s, t) for s, t in tree if s >= LARGE_MIN]

@@ -52,8 +52,8 @@ LINKS = [(100.0, 5e-6), (10.0, 20e-6)]  # Gbit/s, one-way latency between hosts
 def _network_only(model: Dict[str, float]) -> Dict[str, float]:
     """The extrapolation's model: this host's per-message overhead, reduction and
     shared-memory constants, but no TCP copy cost per byte (cpu_beta and cpu_beta_oneway
-    0): one TCP stream on this small VM moves about 1 GB/s, which says nothing of a
-    100 Gbit/s host."""
+    0): what one TCP stream moves on the calibrating host says nothing of a 100 Gbit/s
+    host."""
     return dict(model, cpu_beta=0.0, cpu_beta_oneway=0.0)
 
 
