@@ -23,6 +23,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .._control import all_gather_json, broadcast_json
 from ..launch import launch_workers, torchrun_env
 
 from .report import TablePrinter, import_pyplot, join_mpi, print_peers, write_json, write_plot
@@ -130,8 +131,7 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         meta.update(hosts=cfg.hosts, ranks_per_host=cfg.ranks_per_host, rate=cfg.rate,
                     host_ifname=os.environ.get("PYCOMM_SOCKET_IFNAME"))
     sizes, skipped = byte_sizes(cfg)
-    hostnames = [None] * world_size
-    dist.all_gather_object(hostnames, socket.gethostname(), group=control.group)
+    hostnames = all_gather_json(socket.gethostname(), group=control.group)
     same_host = len(set(hostnames)) == 1 and not cfg.hosts
     barrier = _shm_barrier(cfg, control, rank, world_size, same_host) if cfg.timing == "shm-barrier" else None
     printer = TablePrinter(runs, world_size, enabled=(rank == 0 and not cfg.quiet))
@@ -159,9 +159,7 @@ def _shm_barrier(cfg: BenchConfig, control: TorchControl, rank: int, world_size:
         raise RuntimeError(f"{PREFIX} --timing shm-barrier needs every rank on one host")
 
     def broadcast(value):
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=control.group)
-        return box[0]
+        return broadcast_json(value, src=0, group=control.group)
 
     return ShmBarrier(rank, world_size, broadcast, control.barrier, cfg.timeout_s)
 

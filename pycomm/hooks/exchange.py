@@ -5,6 +5,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .._control import all_gather_json
 from ._common import _future_tensor, _group_size, _is_pycomm, _pycomm_backend
 
 def _host_key() -> str:
@@ -79,8 +80,7 @@ class _HostGroups:
             raise ValueError(f"pycomm {op}: hosts needs a pycomm process group (its compressed all-reduce)")
         rank = dist.get_rank(process_group)
         if hosts == "auto":
-            keys: List[Optional[str]] = [None] * world
-            dist.all_gather_object(keys, _host_key(), group=process_group)
+            keys = all_gather_json(_host_key(), group=process_group)
             order: Dict[str, List[int]] = {}
             for r, key in enumerate(keys):
                 order.setdefault(key, []).append(r)

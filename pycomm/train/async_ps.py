@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from .._control import broadcast_bytes, bytes_to_tensors, tensors_to_bytes
 from .base import StrategySpec, register_strategy
 from .config import TrainConfig, check_own_loop
 from .trainer import join_groups
@@ -397,9 +398,8 @@ class AsyncPSTrainer:
                 full[lo:hi] = self.chunk.detach()
             dist.all_reduce(full, group=self.control)
             _assign_flat(self.model, full)
-            box = [summary if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
-            summary = box[0]
+            summary = bytes_to_tensors(broadcast_bytes(tensors_to_bytes(summary) if self.rank == 0 else None,
+                                                       src=0, group=self.control))
             evals = self._evaluate_snapshots()
             final = self.evaluate()
             self.logger.log(final)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .strategies import Strategy, _Timer, flat_parameters
+from .._control import all_gather_bytes, bytes_to_tensors, tensors_to_bytes
 from .base import register_trainer
 from .config import (DEFAULT_MICROBATCHES, HYBRID_WORLD_SIZE, MODES, PP_SCHEDULES, PP_TASKS,  # noqa: F401
                      TP_TASKS, validate_parallel)
@@ -280,11 +281,9 @@ class ParallelTrainer(Trainer):
             state = {k: _full_tensor(v) for k, v in self.model.state_dict().items()}
         else:
             mine = {self._stage_names[k]: _full_tensor(v) for k, v in self.model.state_dict().items()}
-            parts: List[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine, group=self.control)
             state = {}
-            for part in parts:
-                state.update(part)
+            for part in all_gather_bytes(tensors_to_bytes(mine), group=self.control):
+                state.update(bytes_to_tensors(part))  # weights_only: tensors only
         with torch.random.fork_rng():  # make_model seeds the global RNG; training's stays as it was
             model = self.task.make_model(self.cfg.seed)
         model.load_state_dict(state)

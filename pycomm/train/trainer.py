@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from .._control import all_gather_json, broadcast_bytes, bytes_to_tensors, gather_bytes, tensors_to_bytes
 from . import checkpoint as ckpt
 from .base import strategy_spec, trainer_factory
 from .config import TrainConfig
@@ -238,10 +239,7 @@ class Trainer:
 
     def memory_report(self) -> List[Dict[str, Any]]:
         """Collective: every rank's :func:`~pycomm.train.parallel.memory_report`, in rank order."""
-        mine = memory_report(self.model, self.optimizer, self.rss)
-        everyone: List[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.control)
-        return everyone
+        return all_gather_json(memory_report(self.model, self.optimizer, self.rss), group=self.control)
 
     def _maybe_inject_failure(self) -> None:
         fail = self.cfg.fail_at_step
@@ -340,9 +338,10 @@ class Trainer:
             "strategy": self.strategy.rank_state(),
         }
         shared = self.strategy.shared_state()
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(entry, gathered, dst=dist.get_global_rank(self.control, 0), group=self.control)
+        # tensors and plain values, as torch.save bytes, read back with weights_only (no pickle)
+        parts = gather_bytes(tensors_to_bytes(entry), dst=0, group=self.control)
         if self.rank == 0:
+            gathered = [bytes_to_tensors(part) for part in parts]
             state = {
                 "format": ckpt.FORMAT_VERSION, "config": self.cfg.to_dict(), "task": self.cfg.task,
                 "strategy": self.cfg.strategy, "world_size": self.world_size, "step": self.step,
@@ -365,17 +364,20 @@ class Trainer:
         ``rank % old_world_size``, the EASGD centre re-sharded, the sampler at the same
         fraction of the epoch, and fresh RNG / hook states.
         """
-        box = [None]
+        box = None
         if self.rank == 0:
             try:
-                box[0] = ckpt.load(path)
+                box = {"state": ckpt.load(path)}  # weights_only: tensors and plain values
             except Exception as exc:  # surfaced on every rank below
                 text = str(exc)
-                box[0] = text if text.startswith(_PREFIX) else f"{_PREFIX} cannot read checkpoint {path}: {text}"
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
-        state = box[0]
-        if isinstance(state, str):
-            raise RuntimeError(state)
+                box = {"error": text if text.startswith(_PREFIX) else f"{_PREFIX} cannot read checkpoint {path}: "
+                                                                        f"{text}"}
+        # the checkpoint reaches the other ranks as torch.save bytes, read with weights_only
+        box = bytes_to_tensors(broadcast_bytes(tensors_to_bytes(box) if self.rank == 0 else None, src=0,
+                                               group=self.control))
+        if "error" in box:
+            raise RuntimeError(box["error"])
+        state = box["state"]
         if state.get("format") != ckpt.FORMAT_VERSION:
             raise RuntimeError(f"{_PREFIX} {path} has checkpoint format {state.get('format')}, "
                                f"expected {ckpt.FORMAT_VERSION}")
