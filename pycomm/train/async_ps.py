@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from .._control import broadcast_bytes, bytes_to_tensors, tensors_to_bytes
-from .base import StrategySpec, register_strategy
+from .base import _PREFIX, register_strategy, StrategySpec
 from .config import TrainConfig, check_own_loop
 from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
@@ -67,7 +67,6 @@ from .tasks import get_task
 
 __all__ = ["AsyncPSTrainer", "lease_feasible"]
 
-from .base import _PREFIX
 
 _TAG_LEASE_HEADER = 301
 _TAG_LEASE = 302

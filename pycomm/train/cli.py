@@ -26,14 +26,13 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from ..launch import launch_workers, torchrun_env
-from .base import strategy_names, strategy_spec
+from .base import _PREFIX, strategy_names, strategy_spec
 from .config import ConfigError, TrainConfig, load_yaml
 from .parallel import check_world_size
 from .straggler import check_straggler_rank
 
 __all__ = ["main", "build_parser", "parse_config", "run", "describe_comm"]
 
-from .base import _PREFIX
 
 _HELP = {
     "task": "built-in task: digits-mlp, digits-cnn, digits-logreg, tinylm, tinylm-mp (tinylm for model parallelism)",

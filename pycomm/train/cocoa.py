@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import StrategySpec, register_strategy
+from .base import _PREFIX, register_strategy, StrategySpec
 from .config import TrainConfig, check_own_loop
 from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
@@ -43,8 +43,6 @@ from .straggler import Straggler
 from .tasks import get_task
 
 __all__ = ["CoCoATrainer", "local_sdca", "primal_dual", "solve_coordinate"]
-
-from .base import _PREFIX
 
 
 def solve_coordinate(m: float, q: float, b: float) -> float:

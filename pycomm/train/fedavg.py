@@ -34,12 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import StrategySpec, register_strategy
+from .base import _PREFIX, register_strategy, StrategySpec
 from .strategies import Strategy, _assign_flat, flat_parameters
 
 __all__ = ["FedAvgStrategy", "ShardSampler", "dirichlet_split", "iid_split", "participants"]
-
-from .base import _PREFIX
 
 
 def iid_split(num_samples: int, world_size: int, seed: int) -> List[torch.Tensor]:

@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import StrategySpec, register_strategy
+from .base import _PREFIX, register_strategy, StrategySpec
 from .strategies import Strategy, _assign_flat, flat_parameters, mean_model
 
 __all__ = ["GossipStrategy", "neighbours", "consensus_distance"]
 
-from .base import _PREFIX
 _GOSSIP_TAG = 7101
 
 

@@ -27,15 +27,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import StrategySpec, register_strategy
+from .base import _PREFIX, register_strategy, StrategySpec
 from .config import ConfigError, TrainConfig
 from .metrics import MetricsLogger
 from .straggler import Straggler
 from .tasks import get_task
 
 __all__ = ["run_hogwild", "hogwild_order"]
-
-from .base import _PREFIX
 
 
 def _check(cfg: TrainConfig, nprocs: int) -> None:

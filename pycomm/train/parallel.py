@@ -40,7 +40,7 @@ from torch import nn
 
 from .strategies import Strategy, _Timer, flat_parameters
 from .._control import all_gather_bytes, bytes_to_tensors, tensors_to_bytes
-from .base import register_trainer
+from .base import _PREFIX, register_trainer
 from .config import (DEFAULT_MICROBATCHES, HYBRID_WORLD_SIZE, MODES, PP_SCHEDULES, PP_TASKS,  # noqa: F401
                      TP_TASKS, validate_parallel)
 from .trainer import Trainer
@@ -48,7 +48,6 @@ from .trainer import Trainer
 __all__ = ["MODES", "PP_SCHEDULES", "HYBRID_WORLD_SIZE", "ParallelTrainer", "validate_parallel",
            "check_world_size", "describe_parallel"]
 
-from .base import _PREFIX
 
 _PP_LAYERS = {"digits-mlp": 3, "digits-cnn": 4}  # layers with parameters: the most stages
 

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import hooks
 from ..hooks import allreduce_hook
-from .base import StrategySpec, register_strategy, strategy_spec
+from .base import _PREFIX, register_strategy, strategy_spec, StrategySpec
 
 __all__ = [
     "allreduce_hook",
@@ -57,8 +57,6 @@ __all__ = [
     "build_strategy",
     "flat_parameters",
 ]
-
-from .base import _PREFIX
 
 
 # ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch.utils.data import DistributedSampler
 
 from .._control import all_gather_json, broadcast_bytes, bytes_to_tensors, gather_bytes, tensors_to_bytes
 from . import checkpoint as ckpt
-from .base import strategy_spec, trainer_factory
+from .base import _PREFIX, strategy_spec, trainer_factory
 from .config import TrainConfig
 from .metrics import CommMeter, MetricsLogger
 from .memory import RssPeak, memory_report
@@ -37,8 +37,6 @@ from .strategies import Strategy, build_strategy, flat_parameters
 from .tasks import Task, get_task
 
 __all__ = ["Trainer", "train", "build_trainer"]
-
-from .base import _PREFIX
 
 
 class _Indices:
