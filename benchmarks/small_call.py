@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 def _rank(rank, world, port, iters, elements, queue):
     import pycomm  # noqa: F401  registers the backend
-    from pycomm.hooks import _pycomm_backend
+    from pycomm.hooks._common import _pycomm_backend
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("pycomm", rank=rank, world_size=world)

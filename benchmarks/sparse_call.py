@@ -19,7 +19,7 @@ COUNT, LENGTHS, PAIRS = 267786, [262144, 512, 5120, 10], 2700
 
 def _rank(rank, world, port, iters, queue):
     import pycomm  # noqa: F401  registers the backend
-    from pycomm.hooks import _pycomm_backend
+    from pycomm.hooks._common import _pycomm_backend
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("pycomm", rank=rank, world_size=world)

@@ -34,7 +34,7 @@ and ``lm`` (pycomm.train's digits-cnn and tinylm), the tasks of
 benchmarks/compression_digits.py.
 
 Selection is exact in every row: pycomm's hook selects exactly below 2^20 elements per
-parameter (hooks._APPROX_MIN_NUMEL), which covers every parameter of these models; the
+parameter (hooks.topk._APPROX_MIN_NUMEL), which covers every parameter of these models; the
 approximate band therefore plays no part here.
 """
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .config import bind_address, group_config, load_config
+from .config import bind_address, group_config, load_config, with_settings
 
 __all__ = [
     "BACKEND_NAME",
@@ -49,7 +49,8 @@ def _shared_cost_model(store, rank: int, model):
 
 
 def _create_backend(dist_opts, backend_options=None):
-    config = load_config()
+    # pg_options: PYCOMM_* settings over the environment (config.with_settings)
+    config = load_config(with_settings(backend_options))
     if dist_opts.group_size > 1:
         config = dataclasses.replace(
             config, cost_model=_shared_cost_model(dist_opts.store, dist_opts.group_rank, config.cost_model))

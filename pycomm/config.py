@@ -18,6 +18,7 @@ import math
 import os
 import socket
 import struct
+from collections.abc import Mapping
 
 from . import _C
 from .streams import MAX_IO_THREADS, MAX_STREAMS, choose_streams, link_gbps
@@ -101,6 +102,24 @@ def load_config(environ=None) -> Config:
                   secret=_secret(env), cost_model=_cost_model(env),
                   sockets_per_peer=_count(env, "PYCOMM_SOCKETS_PER_PEER", MAX_STREAMS),
                   io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env))
+
+
+def with_settings(settings=None):
+    """The environment a group reads its PYCOMM_* knobs from: this process's, with
+    ``settings`` (PYCOMM_* name -> value) over it; os.environ itself when there are none.
+    ``settings`` reach a pycomm group as ``pg_options``, e.g.
+    ``dist.init_process_group("pycomm", pg_options={"PYCOMM_TRANSPORT": "tcp"})``."""
+    if not settings:
+        return os.environ
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"pycomm: settings (pg_options) must map PYCOMM_* names to values "
+                        f"(got {type(settings).__name__})")
+    bad = [name for name in settings if not (isinstance(name, str) and name.startswith("PYCOMM_"))]
+    if bad:
+        raise ValueError(f"pycomm: settings are PYCOMM_* knobs (got {', '.join(map(repr, bad))})")
+    env = dict(os.environ)
+    env.update({name: str(value) for name, value in settings.items()})
+    return env
 
 
 def _count(env, name: str, most: int) -> int | str:

@@ -279,7 +279,7 @@ def _pg_worker(ctx):
     from pycomm import hooks as H
 
     world, rank = ctx.world_size, ctx.rank
-    pg = H._pycomm_backend(None)
+    pg = H._common._pycomm_backend(None)
     problems = []
     count, segments = 7001, [3000, 1, 4000]
     xs = inputs(world, count, 42)

@@ -372,7 +372,7 @@ def _exchange_checks(ctx):
         g = grads(ctx.rank, 0)[i].reshape(-1)
         if not torch.equal(state._residuals[i], g - ref_topk(g, 0.05)):
             problems.append(f"topk: residual of parameter {i} is not input - sent")
-    if H._is_pycomm(None):
+    if H._common._is_pycomm(None):
         problems += _collective_checks(ctx, params, grads, results)
     # layout invariance with error feedback and stochastic rounding over three steps
     # (on pycomm groups through the compressed collectives, elsewhere all_gather)

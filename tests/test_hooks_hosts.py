@@ -1,4 +1,4 @@
-"""hosts=...: the compressed hooks among host leaders (pycomm/hooks.py _hosts_exchange;
+"""hosts=...: the compressed hooks among host leaders (pycomm/hooks/exchange.py _hosts_exchange;
 TopKState and QuantizeState).
 
 4 ranks on this one host, told to act as 2 hosts of 2 ([[0, 1], [2, 3]]): each host's
@@ -82,7 +82,7 @@ def _hosts_worker(ctx, late=False, kind="topk"):
     rank = ctx.rank
     problems = []
     if late and rank == 0:
-        _delay_first_reduce_of_each_step(hooks)
+        _delay_first_reduce_of_each_step(hooks.exchange)  # where _hosts_exchange calls dist.reduce
     params = [torch.nn.Parameter(torch.zeros(*shape)) for shape in SHAPES]
     state = make_state(hosts=HOSTS)
     if state._hosts is None or state._hosts.is_leader != (rank in (0, 2)):

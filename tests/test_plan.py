@@ -1,4 +1,4 @@
-"""The all-reduce cost model and the planner (pycomm/plan.py, allreduce_registry.cc).
+"""The all-reduce cost model and the planner (pycomm/plan/, allreduce_registry.cc).
 
 * the C++ formulas, read through pycomm._C.allreduce_costs, against the closed forms;
 * the built-in constants keep auto's choices (the table's known crossovers), and other
@@ -139,10 +139,10 @@ def test_a_links_burst_spares_each_tree_phase_its_first_bytes():
 def test_one_way_fit_from_the_two_rank_tree():
     a, w, g = 80e-6, 0.9e-9, 0.1e-9
     tree = [(float(s), 2 * a + s * (2 * w + g)) for s in (1 << 20, 4 << 20, 16 << 20)]
-    assert plan._one_way(tree, g) == pytest.approx(w)
+    assert plan.calibration._one_way(tree, g) == pytest.approx(w)
     # A flat fit (noise) is "not measured" (half of cpu_beta), not a free tree
-    assert plan._one_way([(float(1 << 20), 1e-6), (float(4 << 20), 1e-6)], g) == 0.0
-    assert plan._one_way([(float(1 << 20), 1e-3)], g) == 0.0
+    assert plan.calibration._one_way([(float(1 << 20), 1e-6), (float(4 << 20), 1e-6)], g) == 0.0
+    assert plan.calibration._one_way([(float(1 << 20), 1e-3)], g) == 0.0
 
 
 def test_egress_only_link_tree():
@@ -303,7 +303,7 @@ def test_compressed_messages_grow_with_the_ranks():
 def test_fit_line_recovers_constants():
     a, b = 50e-6, 1e-9
     points = [(float(s), a + b * s) for s in (8, 1 << 10, 1 << 16, 1 << 20, 1 << 24)]
-    fa, fb = plan._fit_line(points)
+    fa, fb = plan.calibration._fit_line(points)
     assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
 
 
@@ -315,14 +315,14 @@ def test_calibration_keeps_each_sizes_median_over_rounds():
     clean = [(s, a + b * s) for s in sizes]
     slow = [(s, 2.2 * t) for s, t in clean]
     fast = [(s, 0.95 * t) for s, t in clean]
-    points = plan._median_points([clean, slow, fast[:-1]])  # a sweep may lack its last size
+    points = plan.calibration._median_points([clean, slow, fast[:-1]])  # a sweep may lack its last size
     assert [s for s, _ in points] == list(sizes)
     assert points[0][1] == pytest.approx(clean[0][1]) and points[-1][1] == pytest.approx(1.6 * clean[-1][1])
-    points = plan._median_points([clean, slow, fast])
+    points = plan.calibration._median_points([clean, slow, fast])
     assert points == [(s, t) for s, t in clean]
-    fa, fb = plan._fit_regimes(points)  # alpha from the small sizes' median, 1024 B here
+    fa, fb = plan.calibration._fit_regimes(points)  # alpha from the small sizes' median, 1024 B here
     assert fa == pytest.approx(a, rel=0.02) and fb == pytest.approx(b, rel=0.01)
-    assert plan.CALIBRATION_ROUNDS >= 3
+    assert plan.calibration.CALIBRATION_ROUNDS >= 3
 
 
 def test_cli_predicts_without_a_calibration(tmp_path):
@@ -350,7 +350,7 @@ def test_calibrate_and_cache(tmp_path):
     assert calibration["codec"]["topk"] > 0 and calibration["points"]["ring_tcp"]
     tree = calibration["points"]["tree_tcp"]
     assert [s for s, _ in tree] == [float(1 << 14), float(1 << 16), float(1 << 18)]
-    assert m["cpu_beta_oneway"] == plan._one_way(tree, m["gamma"])  # the tree's points give it
+    assert m["cpu_beta_oneway"] == plan.calibration._one_way(tree, m["gamma"])  # the tree's points give it
     streams = calibration["streams"]
     assert streams["per_stream_gbps"] > 0 and sorted(streams["ring_seconds"]) == ["1", "2", "4"], streams
     assert all(t > 0 for t in streams["ring_seconds"].values()), streams

@@ -23,6 +23,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .._control import all_gather_json, broadcast_json
 from ..launch import launch_workers, torchrun_env
 
 from .report import TablePrinter, import_pyplot, join_mpi, print_peers, write_json, write_plot
@@ -53,8 +54,8 @@ def bench_worker(rank: int, world_size: int, init_method: str, cfg: BenchConfig)
     uses_pycomm = "pycomm" in (cfg.backend, cfg.peer)
     module = import_pycomm() if uses_pycomm else None
     pycomm = module if cfg.backend == "pycomm" else None
-    dist.init_process_group(cfg.backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group(cfg.backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timeout, pg_options=cfg.settings if cfg.backend == "pycomm" else None)
     try:
         return _bench_body(rank, world_size, cfg, pycomm, timeout)
     finally:
@@ -80,7 +81,8 @@ def _columns(cfg: BenchConfig, pycomm, timeout) -> List[Runner]:
     else:
         runs.append(TorchRunner(cfg.backend, cfg.backend, op))
     if cfg.peer:
-        peer_group = dist.new_group(backend=cfg.peer, timeout=timeout)
+        peer_group = dist.new_group(backend=cfg.peer, timeout=timeout,
+                                    pg_options=cfg.settings if cfg.peer == "pycomm" else None)
         runs.append(TorchRunner(f"peer:{cfg.peer}" if cfg.peer == cfg.backend else cfg.peer,
                                 cfg.peer, op, group=peer_group, is_peer=True))
     return runs
@@ -121,16 +123,15 @@ def _bench_body(rank: int, world_size: int, cfg: BenchConfig, pycomm, timeout) -
         "timing": cfg.timing,
     }
     if cfg.backend == "pycomm":
-        from ..config import bind_address, load_config, resolve_streams
+        from ..config import bind_address, load_config, resolve_streams, with_settings
 
-        config = load_config()
+        config = load_config(with_settings(cfg.settings))
         meta["tcp_streams"] = list(resolve_streams(config, bind_address(config)))
     if cfg.hosts:
         meta.update(hosts=cfg.hosts, ranks_per_host=cfg.ranks_per_host, rate=cfg.rate,
                     host_ifname=os.environ.get("PYCOMM_SOCKET_IFNAME"))
     sizes, skipped = byte_sizes(cfg)
-    hostnames = [None] * world_size
-    dist.all_gather_object(hostnames, socket.gethostname(), group=control.group)
+    hostnames = all_gather_json(socket.gethostname(), group=control.group)
     same_host = len(set(hostnames)) == 1 and not cfg.hosts
     barrier = _shm_barrier(cfg, control, rank, world_size, same_host) if cfg.timing == "shm-barrier" else None
     printer = TablePrinter(runs, world_size, enabled=(rank == 0 and not cfg.quiet))
@@ -158,9 +159,7 @@ def _shm_barrier(cfg: BenchConfig, control: TorchControl, rank: int, world_size:
         raise RuntimeError(f"{PREFIX} --timing shm-barrier needs every rank on one host")
 
     def broadcast(value):
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=control.group)
-        return box[0]
+        return broadcast_json(value, src=0, group=control.group)
 
     return ShmBarrier(rank, world_size, broadcast, control.barrier, cfg.timeout_s)
 
@@ -175,9 +174,9 @@ def _tcp_reference(cfg: BenchConfig, control: TorchControl, rank: int, world_siz
     """(slowest rank's GB/s, every rank's, [streams, threads]) of raw TCP in the ring's
     pattern over the streams per peer and I/O threads a pycomm group of this rank would
     use, or (None, None, None) when not asked for (pycomm.bench.link)."""
-    from ..config import bind_address, load_config, resolve_streams
+    from ..config import bind_address, load_config, resolve_streams, with_settings
 
-    config = load_config()
+    config = load_config(with_settings(cfg.settings))
     wanted = cfg.tcp_reference if cfg.tcp_reference is not None else (
         cfg.backend == "pycomm" and (config.transport == "tcp" or (bool(cfg.hosts) and cfg.ranks_per_host == 1)))
     if not wanted or world_size < 2:
@@ -219,7 +218,7 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
     if cfg.hosts:
         from .hosts import run_on_hosts
 
-        result = run_on_hosts(cfg)
+        result = run_on_hosts(cfg, bench_worker)
     else:
         result = launch_workers(bench_worker, cfg.nprocs, cfg, prefix=PREFIX, expected_errors=(PREFIX,))
     if cfg.mpi:

@@ -28,34 +28,23 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from .sweep import PREFIX, BenchConfig, BenchResult, size_sweep
+from .config import HOSTS_MPI_REASON, PREFIX, BenchConfig, BenchResult, size_sweep, valid_rate
 
 __all__ = ["HOSTS_MPI_REASON", "hosts_unavailable_reason", "run_on_hosts", "valid_rate"]
 
-HOSTS_MPI_REASON = ("--mpi is not supported with --hosts: mpirun forks its ranks in its own network "
-                    "namespace; across namespaces it would need to run inside host 0 with an rsh agent "
-                    "that enters each namespace (see pycomm/bench/hosts.py)")
 
-# tc's rate syntax, the forms we accept: a number and a bit or byte unit.
-_RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
 # The module each rank runs (its main() below).
 _RANK_MODULE = "pycomm.bench.hosts"
 # How often the parent looks at its ranks.
 _POLL_S = 0.2
-
-
-def valid_rate(rate: str) -> bool:
-    """True when ``rate`` is a tc rate we accept (``10gbit``, ``1gbit``, ``100mbit``, ``125mbps``)."""
-    return bool(_RATE_RE.match(rate))
 
 
 def hosts_unavailable_reason(rate: Optional[str] = None) -> Optional[str]:
@@ -104,9 +93,10 @@ def _rank_env(ifname: str) -> dict:
     return env
 
 
-def run_on_hosts(cfg: BenchConfig) -> BenchResult:
-    """Make ``cfg.hosts`` namespaces, run ``cfg.ranks_per_host`` ranks of the sweep in each,
-    return rank 0's result; the namespaces and the ranks are gone when this returns or
+def run_on_hosts(cfg: BenchConfig, worker: Callable) -> BenchResult:
+    """Make ``cfg.hosts`` namespaces, run ``cfg.ranks_per_host`` ranks of ``worker`` (a
+    module-level function, :func:`pycomm.launch.launch_workers`' kind: the sweep's
+    ``harness.bench_worker``) in each, return rank 0's result; the namespaces and the ranks are gone when this returns or
     raises. Rank 0 prints the table to this process's stdout as it goes."""
     from ..netns import NetnsHosts, kill_tree
 
@@ -123,7 +113,7 @@ def run_on_hosts(cfg: BenchConfig) -> BenchResult:
             hosts.create()
             payload = os.path.join(tmpdir, "cfg.pkl")
             with open(payload, "wb") as handle:
-                pickle.dump(cfg, handle)
+                pickle.dump((worker, cfg), handle)  # the worker by its module and name
             result_path = os.path.join(tmpdir, "result.pkl")
             init_method = f"tcp://{hosts.addrs[0]}:29500"  # a fresh namespace: every port is free
             env = _rank_env(hosts.ifname)
@@ -170,11 +160,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank_text, world_text, init_method, payload, result_path = (argv if argv is not None else sys.argv[1:])
     rank, world = int(rank_text), int(world_text)
     from ..launch import run_rank
-    from .harness import bench_worker
 
     with open(payload, "rb") as handle:
-        cfg = pickle.load(handle)
-    return run_rank(rank, world, init_method, bench_worker, cfg, result_path, (PREFIX,))
+        worker, cfg = pickle.load(handle)  # written by run_on_hosts, our parent, in its private folder
+    return run_rank(rank, world, init_method, worker, cfg, result_path, (PREFIX,))
 
 
 if __name__ == "__main__":

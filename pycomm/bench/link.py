@@ -28,7 +28,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .sweep import PREFIX
+from .._control import all_gather_json
+from .config import PREFIX
 
 __all__ = ["tcp_ring_bandwidth", "LINK_SECONDS"]
 
@@ -169,8 +170,7 @@ def tcp_ring_bandwidth(group, rank: int, world_size: int, address: str,
         raise ValueError(f"{PREFIX} the raw TCP reference needs streams >= 1 and threads >= 1 "
                          f"(got {streams}, {threads})")
     server = _listen(address, streams)
-    addrs: List[object] = [None] * world_size
-    dist.all_gather_object(addrs, server.getsockname(), group=group)
+    addrs = all_gather_json(list(server.getsockname()), group=group)
     outgoing: List[socket.socket] = []
     incoming: List[socket.socket] = []
     try:
@@ -189,6 +189,5 @@ def tcp_ring_bandwidth(group, rank: int, world_size: int, address: str,
         for sock in outgoing + incoming:
             sock.close()
     rate = received / elapsed / 1e9 if elapsed > 0 else 0.0
-    rates: List[object] = [None] * world_size
-    dist.all_gather_object(rates, rate, group=group)
+    rates = all_gather_json(rate, group=group)
     return min(rates), [float(r) for r in rates]

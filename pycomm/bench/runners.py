@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .sweep import PREFIX, Control, Runner
+from .config import PREFIX, Control, Runner, compressed_spec  # noqa: F401  (compressed_spec: its old home)
 
 __all__ = ["CompressedRunner", "PycommRunner", "TorchControl", "TorchRunner", "compressed_spec", "import_pycomm"]
 
@@ -87,23 +86,6 @@ class TorchControl(Control):
         dist.barrier(group=self.group)
 
 
-# "topk1%", "topk0.1%": top-k at that density; "quant8", "quant4": 8- / 4-bit quantization.
-_COMPRESSED = re.compile(r"^(?:topk(?P<density>\d+(?:\.\d+)?)%|quant(?P<bits>8|4))$")
-
-
-def compressed_spec(name: str) -> Optional[Tuple[str, float]]:
-    """("topk", density) or ("quantize", bits) for a compressed column's name, else None."""
-    match = _COMPRESSED.match(name)
-    if match is None:
-        return None
-    if match.group("density") is not None:
-        density = float(match.group("density")) / 100.0
-        if not 0.0 < density <= 1.0:
-            raise ValueError(f"{PREFIX} {name}: the density must be in (0, 100]%")
-        return "topk", density
-    return "quantize", float(match.group("bits"))
-
-
 class _OneBucket:
     """The buffer as a DDP GradBucket of one parameter, the last of its step."""
 
@@ -131,8 +113,7 @@ class CompressedRunner(TorchRunner):
     the column. Each call first copies a gradient-like buffer in (normal values, seeded
     by the rank and size; the copy is timed too, as DDP's copy into its bucket would
     be): the sweep's constant fill is all ties, which top-k's exact selection handles
-    far more slowly than real gradients (16 MiB at 2 ranks over TCP, 2026-11-26: 87-92 ms
-    against 33.5)."""
+    far more slowly than real gradients (benchmarks/results/topk_ties.txt)."""
 
     exact = False
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .sweep import PREFIX
+from .config import PREFIX
 
 __all__ = ["ShmBarrier"]
 

@@ -20,6 +20,7 @@ from .trainer import Trainer, build_trainer, train
 from .async_ps import AsyncPSTrainer
 from .cocoa import CoCoATrainer
 from .parallel import ParallelTrainer
+from . import gossip, fedavg, hogwild  # noqa: F401,E402  (they register their strategies; in this order)
 
 __all__ = [
     "AsyncPSTrainer",

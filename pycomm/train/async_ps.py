@@ -56,7 +56,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from .config import TrainConfig
+from .._control import broadcast_bytes, bytes_to_tensors, tensors_to_bytes
+from .base import _PREFIX, register_strategy, StrategySpec
+from .config import TrainConfig, check_own_loop
 from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
 from .straggler import Straggler, parse_straggler
@@ -65,7 +67,6 @@ from .tasks import get_task
 
 __all__ = ["AsyncPSTrainer", "lease_feasible"]
 
-_PREFIX = "pycomm train:"
 
 _TAG_LEASE_HEADER = 301
 _TAG_LEASE = 302
@@ -396,9 +397,8 @@ class AsyncPSTrainer:
                 full[lo:hi] = self.chunk.detach()
             dist.all_reduce(full, group=self.control)
             _assign_flat(self.model, full)
-            box = [summary if self.rank == 0 else None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
-            summary = box[0]
+            summary = bytes_to_tensors(broadcast_bytes(tensors_to_bytes(summary) if self.rank == 0 else None,
+                                                       src=0, group=self.control))
             evals = self._evaluate_snapshots()
             final = self.evaluate()
             self.logger.log(final)
@@ -459,3 +459,6 @@ class AsyncPSTrainer:
         loss, correct, count = totals.tolist()
         return {"event": "eval", "step": self.total_updates, "test_loss": loss / count,
                 "test_accuracy": correct / count, "elapsed_s": self.elapsed_s}
+
+
+register_strategy(StrategySpec("async_ps", trainer=AsyncPSTrainer, validate=check_own_loop))

@@ -25,12 +25,13 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .base import _PREFIX
+
 __all__ = ["atomic_save", "atomic_write_text", "checkpoint_path", "find_checkpoint", "load", "rng_state",
            "set_rng_state", "FORMAT_VERSION"]
 
 # 2: RNG states stored as tensors (1 held a NumPy array and tuples, and needed full unpickling)
 FORMAT_VERSION = 2
-_PREFIX = "pycomm train:"
 
 
 def _fsync_dir(directory: str) -> None:

@@ -26,13 +26,13 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from ..launch import launch_workers, torchrun_env
+from .base import _PREFIX, strategy_names, strategy_spec
 from .config import ConfigError, TrainConfig, load_yaml
 from .parallel import check_world_size
 from .straggler import check_straggler_rank
 
 __all__ = ["main", "build_parser", "parse_config", "run", "describe_comm"]
 
-_PREFIX = "pycomm train:"
 
 _HELP = {
     "task": "built-in task: digits-mlp, digits-cnn, digits-logreg, tinylm, tinylm-mp (tinylm for model parallelism)",
@@ -43,7 +43,6 @@ _HELP = {
                 "dp_tp, dp_pp (2 x 2 mesh, 4 ranks); see docs/training.md",
     "microbatches": "pp, dp_pp: micro-batches per step, dividing --batch-size (None: 4)",
     "pp_schedule": "pp, dp_pp: pipeline schedule gpipe or 1f1b (None: gpipe)",
-    "strategy": "sync (DDP + comm hook), local_sgd, easgd, gossip, fedavg, hogwild (one host), async_ps, cocoa",
     "hook": "comm hook for sync steps: allreduce, fp16, bf16, topk, quantize, powersgd, torch_powersgd, "
             "or package.module:attribute",
     "local_sgd_period": "local SGD: average the models every H steps",
@@ -109,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _field_type(field)
-        help_text = _HELP.get(field.name, "")
+        help_text = _HELP.get(field.name, "") if field.name != "strategy" else _strategy_help()
         if help_text is not argparse.SUPPRESS:
             help_text = f"{help_text} (default: {getattr(defaults, field.name)})"
         if kind is bool:
@@ -170,12 +169,17 @@ def _worker(rank: int, world_size: int, init_method: str, payload) -> Dict[str, 
     return summary
 
 
+def _strategy_help() -> str:
+    """The registered strategies (pycomm.train.base), each with its few words."""
+    return ", ".join(f"{name} ({strategy_spec(name).summary})" if strategy_spec(name).summary else name
+                     for name in strategy_names())
+
+
 def run(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None) -> Dict[str, Any]:
     """Train ``cfg`` on ``nprocs`` locally spawned ranks (or as this torchrun rank); rank 0's summary."""
-    if cfg.strategy == "hogwild":  # worker processes sharing one model in memory, no process group
-        from .hogwild import run_hogwild
-
-        return run_hogwild(cfg, nprocs, threads)
+    own_run = strategy_spec(cfg.strategy).run
+    if own_run is not None:  # hogwild: worker processes sharing one model in memory, no process group
+        return own_run(cfg, nprocs, threads)
     try:
         return launch_workers(_worker, nprocs, (cfg, threads), prefix=_PREFIX)
     except RuntimeError as exc:  # a plain RuntimeError: main() names the type in its message
@@ -189,11 +193,8 @@ def describe_comm(cfg: TrainConfig) -> Optional[str]:
         from .parallel import describe_parallel
 
         return f"parallel {describe_parallel(cfg)}"
-    if cfg.strategy == "sync":
-        return f"hook {cfg.hook}"
-    if cfg.strategy == "local_sgd" and cfg.local_sgd_warmup > 0:
-        return f"hook {cfg.hook} for {cfg.local_sgd_warmup} warm-up steps"
-    return None  # easgd, gossip, fedavg, async_ps, cocoa, hogwild: no gradient all-reduce
+    describe = strategy_spec(cfg.strategy).describe
+    return describe(cfg) if describe is not None else None  # None: no gradient all-reduce
 
 
 def _print_memory(memory) -> None:

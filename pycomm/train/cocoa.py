@@ -35,15 +35,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
+from .base import _PREFIX, register_strategy, StrategySpec
+from .config import TrainConfig, check_own_loop
 from .trainer import join_groups
 from .metrics import CommMeter, MetricsLogger
 from .straggler import Straggler
 from .tasks import get_task
 
 __all__ = ["CoCoATrainer", "local_sdca", "primal_dual", "solve_coordinate"]
-
-_PREFIX = "pycomm train:"
 
 
 def solve_coordinate(m: float, q: float, b: float) -> float:
@@ -227,3 +226,14 @@ class CoCoATrainer:
         margin = y * (x @ self.w)
         return {"event": "eval", "step": self.round, "test_loss": float(np.logaddexp(0.0, -margin).mean()),
                 "test_accuracy": float((margin > 0).mean()), "elapsed_s": self.elapsed_s}
+
+
+def _validate(cfg, bad) -> None:
+    check_own_loop(cfg, bad)
+    if cfg.task != "digits-logreg":
+        raise bad(f"strategy cocoa solves the convex task digits-logreg (got task {cfg.task!r})")
+    if cfg.epochs is not None:
+        raise bad("strategy cocoa counts communication rounds with steps, not epochs")
+
+
+register_strategy(StrategySpec("cocoa", trainer=CoCoATrainer, validate=_validate))

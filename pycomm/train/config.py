@@ -10,23 +10,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Mapping, Optional
 
+from .base import _PREFIX, ConfigError, strategy_names, strategy_spec
+from .straggler import parse_straggler
+
 __all__ = ["TrainConfig", "ConfigError", "load_yaml", "STRATEGIES", "PRECISIONS", "SCHEDULES",
            "OPTIMIZERS"]
 
-STRATEGIES = ("sync", "local_sgd", "easgd")
-STRATEGIES += ("async_ps", "cocoa")  # own trainers: pycomm/train/async_ps.py, cocoa.py
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("constant", "cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
-# decentralised / federated / shared-memory strategies: pycomm/train/gossip.py, fedavg.py, hogwild.py
-STRATEGIES = STRATEGIES + ("gossip", "fedavg", "hogwild")
 TOPOLOGIES = ("ring", "exp")
+# model parallelism (pycomm/train/parallel.py runs them; checked here, without a process group)
+MODES = ("ddp", "fsdp", "tp", "pp", "dp_tp", "dp_pp")
+PP_SCHEDULES = ("gpipe", "1f1b")
+HYBRID_WORLD_SIZE = 4          # dp_tp / dp_pp: a 2 x 2 mesh
+DEFAULT_MICROBATCHES = 4
+TP_TASKS = ("tinylm-mp", "digits-mlp")
+PP_TASKS = ("tinylm-mp", "digits-mlp", "digits-cnn")
 
-_PREFIX = "pycomm train:"
 
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message starts with ``pycomm train:``."""
+def __getattr__(name: str):
+    if name == "STRATEGIES":  # the registered strategies' names (pycomm.train.base)
+        return strategy_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -120,8 +126,8 @@ class TrainConfig:
         def bad(message: str) -> ConfigError:
             return ConfigError(f"{_PREFIX} {message}")
 
-        if self.strategy not in STRATEGIES:
-            raise bad(f"strategy must be one of {', '.join(STRATEGIES)} (got {self.strategy!r})")
+        if self.strategy not in strategy_names():
+            raise bad(f"strategy must be one of {', '.join(strategy_names())} (got {self.strategy!r})")
         if self.precision not in PRECISIONS:
             raise bad(f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.schedule not in SCHEDULES:
@@ -156,13 +162,12 @@ class TrainConfig:
             raise bad("resume: auto needs checkpoint_dir")
         self._validate_decentralised(bad)
         self._validate_own_trainers(bad)
-        from .parallel import validate_parallel
-
+        check = strategy_spec(self.strategy).validate
+        if check is not None:
+            check(self, bad)
         validate_parallel(self, bad)
 
     def _validate_decentralised(self, bad) -> None:
-        from .straggler import parse_straggler
-
         if self.topology not in TOPOLOGIES:
             raise bad(f"topology must be one of {', '.join(TOPOLOGIES)} (got {self.topology!r})")
         if int(self.consensus_every) < 0:
@@ -193,18 +198,61 @@ class TrainConfig:
             raise bad(f"cocoa_lambda must be positive (got {self.cocoa_lambda})")
         if self.cocoa_local_passes <= 0:
             raise bad(f"cocoa_local_passes must be positive (got {self.cocoa_local_passes})")
-        if self.strategy not in ("async_ps", "cocoa"):
-            return
-        for name, unsupported in (("checkpoint_dir", self.checkpoint_dir), ("resume", self.resume),
-                                  ("fail_at_step", self.fail_at_step)):
-            if unsupported:
-                raise bad(f"strategy {self.strategy} does not support {name} (it keeps no checkpoints)")
-        if self.device != "cpu":
-            raise bad(f"strategy {self.strategy} runs on the CPU only (got device {self.device!r})")
-        if self.strategy == "cocoa" and self.task != "digits-logreg":
-            raise bad(f"strategy cocoa solves the convex task digits-logreg (got task {self.task!r})")
-        if self.strategy == "cocoa" and self.epochs is not None:
-            raise bad("strategy cocoa counts communication rounds with steps, not epochs")
+
+
+def check_own_loop(cfg, bad) -> None:
+    """What a strategy with a loop of its own (async_ps, cocoa) does not have: checkpoints,
+    the failure injection, a device other than the CPU."""
+    for name, unsupported in (("checkpoint_dir", cfg.checkpoint_dir), ("resume", cfg.resume),
+                              ("fail_at_step", cfg.fail_at_step)):
+        if unsupported:
+            raise bad(f"strategy {cfg.strategy} does not support {name} (it keeps no checkpoints)")
+    if cfg.device != "cpu":
+        raise bad(f"strategy {cfg.strategy} runs on the CPU only (got device {cfg.device!r})")
+
+
+def validate_parallel(cfg, bad) -> None:
+    """The checks of ``--parallel`` that need no process group (``bad(msg)`` makes the error)."""
+    from .tasks import LM_DIM, LM_LAYERS
+
+    if cfg.parallel not in MODES:
+        raise bad(f"parallel must be one of {', '.join(MODES)} (got {cfg.parallel!r})")
+    if cfg.task != "tinylm-mp" and (cfg.lm_dim != LM_DIM or cfg.lm_layers != LM_LAYERS):
+        raise bad(f"lm_dim and lm_layers size task tinylm-mp (got task {cfg.task!r})")
+    if cfg.lm_dim < 4 or cfg.lm_dim % 4 or cfg.lm_layers < 1:
+        raise bad(f"lm_dim must be a positive multiple of 4 (4 heads) and lm_layers at least 1 "
+                  f"(got {cfg.lm_dim}, {cfg.lm_layers})")
+    pipeline = cfg.parallel in ("pp", "dp_pp")
+    if cfg.pp_schedule is not None and cfg.pp_schedule not in PP_SCHEDULES:
+        raise bad(f"pp_schedule must be one of {', '.join(PP_SCHEDULES)} (got {cfg.pp_schedule!r})")
+    if not pipeline and (cfg.microbatches is not None or cfg.pp_schedule is not None):
+        raise bad(f"microbatches and pp_schedule apply to parallel pp and dp_pp (got parallel {cfg.parallel!r})")
+    if cfg.parallel == "ddp":
+        return
+    mode = f"parallel {cfg.parallel}"
+    if cfg.strategy != "sync":
+        raise bad(f"{mode} trains synchronously: strategy must be sync (got {cfg.strategy!r}); the other "
+                  f"strategies are data-parallel, with parallel ddp")
+    if cfg.hook != "allreduce":
+        raise bad(f"{mode} has no DDP comm hook (gradients are reduced by the engine), so hook must be left "
+                  f"at allreduce (got {cfg.hook!r})")
+    for name, value in (("checkpoint_dir", cfg.checkpoint_dir), ("resume", cfg.resume),
+                        ("clip_grad_norm", cfg.clip_grad_norm), ("rank_seeds", cfg.rank_seeds)):
+        if value:
+            raise bad(f"{mode} does not support {name} (only parallel ddp does)")
+    if cfg.precision != "fp32" or cfg.device != "cpu":
+        raise bad(f"{mode} runs in fp32 on the CPU (got precision {cfg.precision!r}, device {cfg.device!r})")
+    if cfg.parallel in ("tp", "dp_tp") and cfg.task not in TP_TASKS:
+        raise bad(f"{mode} has tensor-parallel plans for tasks {', '.join(TP_TASKS)} (got {cfg.task!r}; "
+                  f"tinylm's fused attention projection cannot be split: use tinylm-mp)")
+    if pipeline:
+        if cfg.task not in PP_TASKS:
+            raise bad(f"{mode} can cut the models of tasks {', '.join(PP_TASKS)} (got {cfg.task!r})")
+        if cfg.accum_steps != 1:
+            raise bad(f"{mode} accumulates over micro-batches: use microbatches, not accum_steps")
+        micro = cfg.microbatches if cfg.microbatches is not None else DEFAULT_MICROBATCHES
+        if micro < 1 or cfg.batch_size % micro:
+            raise bad(f"microbatches ({micro}) must be at least 1 and divide batch_size ({cfg.batch_size})")
 
 
 def load_yaml(path: str) -> Dict[str, Any]:

@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .base import _PREFIX, register_strategy, StrategySpec
 from .strategies import Strategy, _assign_flat, flat_parameters
 
 __all__ = ["FedAvgStrategy", "ShardSampler", "dirichlet_split", "iid_split", "participants"]
-
-_PREFIX = "pycomm train:"
 
 
 def iid_split(num_samples: int, world_size: int, seed: int) -> List[torch.Tensor]:
@@ -220,3 +219,6 @@ class FedAvgStrategy(Strategy):
     def load_shared_state(self, state: Dict[str, Any]) -> None:
         if "global_model" in state:
             self.global_flat = state["global_model"].to(next(self.module.parameters()).device)
+
+
+register_strategy(StrategySpec("fedavg", strategy=FedAvgStrategy.from_config))

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .base import _PREFIX, register_strategy, StrategySpec
 from .strategies import Strategy, _assign_flat, flat_parameters, mean_model
 
 __all__ = ["GossipStrategy", "neighbours", "consensus_distance"]
 
-_PREFIX = "pycomm train:"
 _GOSSIP_TAG = 7101
 
 
@@ -142,3 +142,6 @@ class GossipStrategy(Strategy):
         distance = torch.tensor([float((flat_parameters(self.module).cpu() - consensus).norm())])
         dist.all_reduce(distance, op=dist.ReduceOp.MAX, group=self.control_group)
         return float(distance)
+
+
+register_strategy(StrategySpec("gossip", strategy=GossipStrategy.from_config))

@@ -27,14 +27,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .base import _PREFIX, register_strategy, StrategySpec
 from .config import ConfigError, TrainConfig
 from .metrics import MetricsLogger
 from .straggler import Straggler
 from .tasks import get_task
 
 __all__ = ["run_hogwild", "hogwild_order"]
-
-_PREFIX = "pycomm train:"
 
 
 def _check(cfg: TrainConfig, nprocs: int) -> None:
@@ -226,3 +225,8 @@ def run_hogwild(cfg: TrainConfig, nprocs: int = 2, threads: Optional[int] = None
         "workers": {w: {"losses": [r["loss"] for r in results[w]["records"]], "wall_s": results[w]["wall_s"]}
                     for w in sorted(results)},
     }
+
+
+register_strategy(StrategySpec(
+    "hogwild", run=run_hogwild, summary="one host", refusal="hogwild is not a process-group strategy: its workers share one model in this host's memory; "
+                       "use pycomm.train.hogwild.run_hogwild or pycomm-train -n N"))

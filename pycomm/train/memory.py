@@ -11,8 +11,7 @@ Two figures, both per rank and measured on the CPU:
   resident set just before the model was built (or once it was built, if that is lower:
   memory freed meanwhile). Everything is in it, activations and
   buffers too, and so is noise: allocator caching, thread pools, the pages of the
-  shared-memory transport the rank touches (about 90 MiB per rank for a model of 0.3 MiB
-  on this project's VM).
+  shared-memory transport the rank touches (far more than a small model's own memory).
 """
 
 from __future__ import annotations

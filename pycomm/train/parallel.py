@@ -32,76 +32,29 @@ Memory per rank, for every mode: :mod:`pycomm.train.memory`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .strategies import Strategy, _Timer, flat_parameters
+from .._control import all_gather_bytes, bytes_to_tensors, tensors_to_bytes
+from .base import _PREFIX, register_trainer
+from .config import (DEFAULT_MICROBATCHES, HYBRID_WORLD_SIZE, MODES, PP_SCHEDULES, PP_TASKS,  # noqa: F401
+                     TP_TASKS, validate_parallel)
 from .trainer import Trainer
 
 __all__ = ["MODES", "PP_SCHEDULES", "HYBRID_WORLD_SIZE", "ParallelTrainer", "validate_parallel",
            "check_world_size", "describe_parallel"]
 
-_PREFIX = "pycomm train:"
 
-MODES = ("ddp", "fsdp", "tp", "pp", "dp_tp", "dp_pp")
-PP_SCHEDULES = ("gpipe", "1f1b")
-HYBRID_WORLD_SIZE = 4          # dp_tp / dp_pp: a 2 x 2 mesh
-DEFAULT_MICROBATCHES = 4
-TP_TASKS = ("tinylm-mp", "digits-mlp")
-PP_TASKS = ("tinylm-mp", "digits-mlp", "digits-cnn")
 _PP_LAYERS = {"digits-mlp": 3, "digits-cnn": 4}  # layers with parameters: the most stages
 
 
 # ---------------------------------------------------------------------------
 # configuration checks
 # ---------------------------------------------------------------------------
-
-def validate_parallel(cfg, bad) -> None:
-    """The checks of ``--parallel`` that need no process group (``bad(msg)`` makes the error)."""
-    from .tasks import LM_DIM, LM_LAYERS
-
-    if cfg.parallel not in MODES:
-        raise bad(f"parallel must be one of {', '.join(MODES)} (got {cfg.parallel!r})")
-    if cfg.task != "tinylm-mp" and (cfg.lm_dim != LM_DIM or cfg.lm_layers != LM_LAYERS):
-        raise bad(f"lm_dim and lm_layers size task tinylm-mp (got task {cfg.task!r})")
-    if cfg.lm_dim < 4 or cfg.lm_dim % 4 or cfg.lm_layers < 1:
-        raise bad(f"lm_dim must be a positive multiple of 4 (4 heads) and lm_layers at least 1 "
-                  f"(got {cfg.lm_dim}, {cfg.lm_layers})")
-    pipeline = cfg.parallel in ("pp", "dp_pp")
-    if cfg.pp_schedule is not None and cfg.pp_schedule not in PP_SCHEDULES:
-        raise bad(f"pp_schedule must be one of {', '.join(PP_SCHEDULES)} (got {cfg.pp_schedule!r})")
-    if not pipeline and (cfg.microbatches is not None or cfg.pp_schedule is not None):
-        raise bad(f"microbatches and pp_schedule apply to parallel pp and dp_pp (got parallel {cfg.parallel!r})")
-    if cfg.parallel == "ddp":
-        return
-    mode = f"parallel {cfg.parallel}"
-    if cfg.strategy != "sync":
-        raise bad(f"{mode} trains synchronously: strategy must be sync (got {cfg.strategy!r}); the other "
-                  f"strategies are data-parallel, with parallel ddp")
-    if cfg.hook != "allreduce":
-        raise bad(f"{mode} has no DDP comm hook (gradients are reduced by the engine), so hook must be left "
-                  f"at allreduce (got {cfg.hook!r})")
-    for name, value in (("checkpoint_dir", cfg.checkpoint_dir), ("resume", cfg.resume),
-                        ("clip_grad_norm", cfg.clip_grad_norm), ("rank_seeds", cfg.rank_seeds)):
-        if value:
-            raise bad(f"{mode} does not support {name} (only parallel ddp does)")
-    if cfg.precision != "fp32" or cfg.device != "cpu":
-        raise bad(f"{mode} runs in fp32 on the CPU (got precision {cfg.precision!r}, device {cfg.device!r})")
-    if cfg.parallel in ("tp", "dp_tp") and cfg.task not in TP_TASKS:
-        raise bad(f"{mode} has tensor-parallel plans for tasks {', '.join(TP_TASKS)} (got {cfg.task!r}; "
-                  f"tinylm's fused attention projection cannot be split: use tinylm-mp)")
-    if pipeline:
-        if cfg.task not in PP_TASKS:
-            raise bad(f"{mode} can cut the models of tasks {', '.join(PP_TASKS)} (got {cfg.task!r})")
-        if cfg.accum_steps != 1:
-            raise bad(f"{mode} accumulates over micro-batches: use microbatches, not accum_steps")
-        micro = cfg.microbatches if cfg.microbatches is not None else DEFAULT_MICROBATCHES
-        if micro < 1 or cfg.batch_size % micro:
-            raise bad(f"microbatches ({micro}) must be at least 1 and divide batch_size ({cfg.batch_size})")
-
 
 def check_world_size(cfg, world_size: int) -> None:
     """The checks of ``--parallel`` against the number of ranks (ValueError)."""
@@ -327,11 +280,9 @@ class ParallelTrainer(Trainer):
             state = {k: _full_tensor(v) for k, v in self.model.state_dict().items()}
         else:
             mine = {self._stage_names[k]: _full_tensor(v) for k, v in self.model.state_dict().items()}
-            parts: List[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, mine, group=self.control)
             state = {}
-            for part in parts:
-                state.update(part)
+            for part in all_gather_bytes(tensors_to_bytes(mine), group=self.control):
+                state.update(bytes_to_tensors(part))  # weights_only: tensors only
         with torch.random.fork_rng():  # make_model seeds the global RNG; training's stays as it was
             model = self.task.make_model(self.cfg.seed)
         model.load_state_dict(state)
@@ -340,3 +291,6 @@ class ParallelTrainer(Trainer):
 
     def local_parameters(self) -> torch.Tensor:
         return flat_parameters(self.gathered_model())
+
+
+register_trainer("parallel", ParallelTrainer)

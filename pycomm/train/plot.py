@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = ["read_log", "plot_runs"]
 
-_PREFIX = "pycomm train:"
+from .base import _PREFIX
 
 
 def read_log(path: str) -> Dict[str, list]:

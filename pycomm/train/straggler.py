@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 __all__ = ["parse_straggler", "check_straggler_rank", "Straggler"]
 
-_PREFIX = "pycomm train:"
+from .base import _PREFIX
 
 
 def parse_straggler(spec: str) -> Tuple[int, float]:

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import hooks
 from ..hooks import allreduce_hook
+from .base import _PREFIX, register_strategy, strategy_spec, StrategySpec
 
 __all__ = [
     "allreduce_hook",
@@ -56,8 +57,6 @@ __all__ = [
     "build_strategy",
     "flat_parameters",
 ]
-
-_PREFIX = "pycomm train:"
 
 
 # ---------------------------------------------------------------------------
@@ -417,25 +416,22 @@ class EASGDStrategy(Strategy):
 
 
 def build_strategy(cfg, group=None, control_group=None) -> Strategy:
-    """The strategy named by ``cfg.strategy`` (a :class:`~pycomm.train.config.TrainConfig`)."""
-    if cfg.strategy == "gossip":
-        from .gossip import GossipStrategy
-
-        return GossipStrategy.from_config(cfg, group, control_group)
-    if cfg.strategy == "fedavg":
-        from .fedavg import FedAvgStrategy
-
-        return FedAvgStrategy.from_config(cfg, group, control_group)
-    if cfg.strategy == "hogwild":
-        raise ValueError(f"{_PREFIX} hogwild is not a process-group strategy: its workers share one model "
-                         f"in this host's memory; use pycomm.train.hogwild.run_hogwild or pycomm-train -n N")
-    if cfg.strategy == "sync":
-        return SyncStrategy(group, control_group, cfg.hook)
-    if cfg.strategy == "local_sgd":
-        return LocalSGDStrategy(group, control_group, cfg.hook, cfg.local_sgd_period, cfg.local_sgd_warmup)
-    if cfg.strategy == "easgd":
-        return EASGDStrategy(group, control_group, cfg.hook, cfg.easgd_period, cfg.easgd_alpha)
-    if cfg.strategy in ("async_ps", "cocoa"):
-        raise ValueError(f"{_PREFIX} strategy {cfg.strategy} has a trainer of its own: use "
+    """The strategy named by ``cfg.strategy`` (a :class:`~pycomm.train.config.TrainConfig`),
+    as the registry (pycomm.train.base) builds it."""
+    spec = strategy_spec(cfg.strategy)
+    if spec.strategy is not None:
+        return spec.strategy(cfg, group, control_group)
+    if spec.trainer is not None:
+        raise ValueError(f"{_PREFIX} strategy {spec.name} has a trainer of its own: use "
                          f"pycomm.train.build_trainer(cfg) (pycomm-train does)")
-    raise ValueError(f"{_PREFIX} unknown strategy {cfg.strategy!r}")
+    raise ValueError(f"{_PREFIX} {spec.refusal}")
+
+
+register_strategy(StrategySpec("sync", strategy=lambda cfg, group, control: SyncStrategy(group, control, cfg.hook),
+                               describe=lambda cfg: f"hook {cfg.hook}", summary="DDP + comm hook"))
+register_strategy(StrategySpec("local_sgd", strategy=lambda cfg, group, control: LocalSGDStrategy(
+    group, control, cfg.hook, cfg.local_sgd_period, cfg.local_sgd_warmup),
+    describe=lambda cfg: (f"hook {cfg.hook} for {cfg.local_sgd_warmup} warm-up steps"
+                          if cfg.local_sgd_warmup > 0 else None)))
+register_strategy(StrategySpec("easgd", strategy=lambda cfg, group, control: EASGDStrategy(
+    group, control, cfg.hook, cfg.easgd_period, cfg.easgd_alpha)))

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 __all__ = ["Task", "BinaryTask", "TASKS", "get_task", "generate_text", "TinyTransformerLM", "SplitTransformerLM",
            "LM_DIM", "LM_LAYERS"]
 
-_PREFIX = "pycomm train:"
+from .base import _PREFIX
 _DATA_SEED = 1234  # the train/test split and the generated text never depend on the run's seed
 
 

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from .._control import all_gather_json, broadcast_bytes, bytes_to_tensors, gather_bytes, tensors_to_bytes
 from . import checkpoint as ckpt
+from .base import _PREFIX, strategy_spec, trainer_factory
 from .config import TrainConfig
 from .metrics import CommMeter, MetricsLogger
 from .memory import RssPeak, memory_report
@@ -35,8 +37,6 @@ from .strategies import Strategy, build_strategy, flat_parameters
 from .tasks import Task, get_task
 
 __all__ = ["Trainer", "train", "build_trainer"]
-
-_PREFIX = "pycomm train:"
 
 
 class _Indices:
@@ -237,10 +237,7 @@ class Trainer:
 
     def memory_report(self) -> List[Dict[str, Any]]:
         """Collective: every rank's :func:`~pycomm.train.parallel.memory_report`, in rank order."""
-        mine = memory_report(self.model, self.optimizer, self.rss)
-        everyone: List[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.control)
-        return everyone
+        return all_gather_json(memory_report(self.model, self.optimizer, self.rss), group=self.control)
 
     def _maybe_inject_failure(self) -> None:
         fail = self.cfg.fail_at_step
@@ -339,9 +336,10 @@ class Trainer:
             "strategy": self.strategy.rank_state(),
         }
         shared = self.strategy.shared_state()
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(entry, gathered, dst=dist.get_global_rank(self.control, 0), group=self.control)
+        # tensors and plain values, as torch.save bytes, read back with weights_only (no pickle)
+        parts = gather_bytes(tensors_to_bytes(entry), dst=0, group=self.control)
         if self.rank == 0:
+            gathered = [bytes_to_tensors(part) for part in parts]
             state = {
                 "format": ckpt.FORMAT_VERSION, "config": self.cfg.to_dict(), "task": self.cfg.task,
                 "strategy": self.cfg.strategy, "world_size": self.world_size, "step": self.step,
@@ -364,17 +362,20 @@ class Trainer:
         ``rank % old_world_size``, the EASGD centre re-sharded, the sampler at the same
         fraction of the epoch, and fresh RNG / hook states.
         """
-        box = [None]
+        box = None
         if self.rank == 0:
             try:
-                box[0] = ckpt.load(path)
+                box = {"state": ckpt.load(path)}  # weights_only: tensors and plain values
             except Exception as exc:  # surfaced on every rank below
                 text = str(exc)
-                box[0] = text if text.startswith(_PREFIX) else f"{_PREFIX} cannot read checkpoint {path}: {text}"
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
-        state = box[0]
-        if isinstance(state, str):
-            raise RuntimeError(state)
+                box = {"error": text if text.startswith(_PREFIX) else f"{_PREFIX} cannot read checkpoint {path}: "
+                                                                        f"{text}"}
+        # the checkpoint reaches the other ranks as torch.save bytes, read with weights_only
+        box = bytes_to_tensors(broadcast_bytes(tensors_to_bytes(box) if self.rank == 0 else None, src=0,
+                                               group=self.control))
+        if "error" in box:
+            raise RuntimeError(box["error"])
+        state = box["state"]
         if state.get("format") != ckpt.FORMAT_VERSION:
             raise RuntimeError(f"{_PREFIX} {path} has checkpoint format {state.get('format')}, "
                                f"expected {ckpt.FORMAT_VERSION}")
@@ -415,25 +416,19 @@ class Trainer:
 
 def train(cfg: TrainConfig, process_group=None, control_group=None, max_steps: Optional[int] = None):
     """``Trainer(cfg, ...).fit(max_steps)`` inside an initialised process group."""
-    if cfg.strategy in ("async_ps", "cocoa"):
+    if strategy_spec(cfg.strategy).trainer is not None:
         return build_trainer(cfg, process_group, control_group).fit()
     return build_trainer(cfg, process_group, control_group).fit(max_steps)
 
 
 def build_trainer(cfg: TrainConfig, process_group=None, control_group=None):
-    """The trainer for ``cfg``: :class:`Trainer` (DDP), the strategies with a loop of their own
-    (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`), or for ``parallel`` other than
-    ddp :class:`~pycomm.train.parallel.ParallelTrainer`."""
-    if cfg.strategy == "async_ps":
-        from .async_ps import AsyncPSTrainer
-
-        return AsyncPSTrainer(cfg, process_group, control_group)
-    if cfg.strategy == "cocoa":
-        from .cocoa import CoCoATrainer
-
-        return CoCoATrainer(cfg, process_group, control_group)
+    """The trainer for ``cfg``: :class:`Trainer` (DDP), a strategy's loop of its own
+    (``async_ps``: :mod:`.async_ps`, ``cocoa``: :mod:`.cocoa`; the registry in
+    pycomm.train.base says which), or for ``parallel`` other than ddp
+    :class:`~pycomm.train.parallel.ParallelTrainer`."""
+    own = strategy_spec(cfg.strategy).trainer
+    if own is not None:
+        return own(cfg, process_group, control_group)
     if cfg.parallel != "ddp":
-        from .parallel import ParallelTrainer
-
-        return ParallelTrainer(cfg, process_group, control_group)
+        return trainer_factory("parallel")(cfg, process_group, control_group)
     return Trainer(cfg, process_group, control_group)
