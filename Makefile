@@ -6,6 +6,9 @@ PIP := $(PYTHON) -m pip
 .PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci
 
 install:
+	@# OpenSSL's libcrypto headers (csrc/transport/hmac.cc); apt only when they are missing.
+	@test -f /usr/include/openssl/evp.h || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libssl-dev; }
 	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
 	$(PIP) install --quiet --no-build-isolation -e .
 
