@@ -16,6 +16,9 @@ SOURCES := $(shell find csrc -name '*.cc' -o -name '*.h' -o -name '*.cu') setup.
 install: $(STAMP)
 
 $(STAMP): $(SOURCES)
+	@# OpenSSL's libcrypto headers (csrc/transport/hmac.cc); apt only when they are missing.
+	@test -f /usr/include/openssl/evp.h || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libssl-dev; }
 	$(PIP) install --quiet $(DEPS)
 	$(PIP) install --quiet --no-build-isolation -e .
 	@mkdir -p $(dir $@) && touch $@

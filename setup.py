@@ -80,6 +80,11 @@ if SANITIZE:
     CXX_FLAGS += SANITIZE + ["-g", "-fno-omit-frame-pointer"]
 
 
+# OpenSSL's libcrypto: the TCP transport's SHA-256, HMAC, HKDF, PBKDF2, constant-time
+# compare and random bytes (csrc/transport/hmac.h). Headers from libssl-dev (Debian).
+LIBRARIES = ["crypto"]
+
+
 def extension():
     if not WITH_CUDA:
         return CppExtension(
@@ -88,6 +93,7 @@ def extension():
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args=CXX_FLAGS,
             extra_link_args=SANITIZE,
+            libraries=LIBRARIES,
         )
     # Architectures: torch's TORCH_CUDA_ARCH_LIST (default: the visible GPUs).
     return CUDAExtension(
@@ -96,6 +102,7 @@ def extension():
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=[("PYCOMM_WITH_CUDA", "1")],
         extra_link_args=SANITIZE,
+        libraries=LIBRARIES,
         extra_compile_args={
             "cxx": CXX_FLAGS,
             "nvcc": ["-O3", "-std=c++17", "-Xcompiler", "-Wall", "-Xcompiler", "-Wno-unused-parameter"],

@@ -25,6 +25,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-pthread")  # not setup.py's -O3: it compiles the kernels 3-4x slower (tests check results, not speed)
+LIBS = ("-lcrypto",)  # transport/hmac.cc: OpenSSL's libcrypto
 
 
 def _sanitize_flags() -> tuple:
@@ -96,7 +97,7 @@ def binary(main_source: str) -> str:
     if not os.path.exists(out):
         main_obj = _compile(main_source)
         tmp = f"{out}.{os.getpid()}.tmp"  # ranks of one test may build the same program at once
-        subprocess.run([compiler(), *FLAGS, main_obj, *objects, "-o", tmp], check=True, timeout=600)
+        subprocess.run([compiler(), *FLAGS, main_obj, *objects, *LIBS, "-o", tmp], check=True, timeout=600)
         os.replace(tmp, out)
     return out
 
@@ -111,7 +112,7 @@ def python_module(name: str, source: str):
     if not os.path.exists(out):
         module_obj = _compile(source, includes)
         tmp = f"{out}.{os.getpid()}.tmp"  # the ranks of one test build it at once
-        subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, "-o", tmp], check=True,
+        subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, *LIBS, "-o", tmp], check=True,
                        timeout=600)
         os.replace(tmp, out)
     spec = importlib.util.spec_from_file_location(name, out)

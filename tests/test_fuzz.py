@@ -23,7 +23,7 @@ def _fuzz(tmp_path, harness, sources, max_len, runs=RUNS):
     harness = os.path.join(ROOT, "tests", "fuzz", harness)
     sources = [os.path.join(ROOT, "csrc", s) for s in sources]
     if clang:
-        cmd = [clang, *flags, "-fsanitize=fuzzer,address,undefined", harness, *sources, "-o", binary]
+        cmd = [clang, *flags, "-fsanitize=fuzzer,address,undefined", harness, *sources, "-lcrypto", "-o", binary]
         run = [binary, f"-runs={runs}", f"-max_len={max_len}", str(tmp_path / "corpus")]
         os.makedirs(tmp_path / "corpus")
     else:
@@ -31,7 +31,7 @@ def _fuzz(tmp_path, harness, sources, max_len, runs=RUNS):
         if gxx is None:
             pytest.skip("neither clang++ nor g++ is installed")
         cmd = [gxx, *flags, "-DPYCOMM_FUZZ_STANDALONE", "-fsanitize=address,undefined", harness, *sources,
-               "-o", binary]
+               "-lcrypto", "-o", binary]
         run = [binary, str(runs)]
     subprocess.run(cmd, check=True, timeout=300)
     proc = subprocess.run(run, capture_output=True, text=True, timeout=600)

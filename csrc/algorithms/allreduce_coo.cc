@@ -20,6 +20,8 @@
 // Bytes: each rank receives every other rank's rows once ((n-1) x nnz rows for equal
 // nnz), as gloo's all-gather of indices and values does, in two all-gathers instead of
 // gloo's three, with 1-3 bytes per row id instead of 8 x sparse_dim.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,6 +29,7 @@
 
 #include "algorithms/collectives.h"
 #include "algorithms/sparse_wire.h"
+#include "common/checked_size.h"
 #include "kernels/cpu/reduce.h"
 
 namespace pycomm {
@@ -55,7 +58,14 @@ std::string describe(const CooHeader& h) {
                 dataTypeName(static_cast<DataType>(h.dtype)));
 }
 
-size_t align64(size_t bytes) { return (bytes + 63) / 64 * 64; }
+// What a host can hold at most: no scratch is sized past it, whatever peers announce.
+size_t physicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), pageBytes = sysconf(_SC_PAGESIZE);
+  size_t total = 0;
+  if (pages <= 0 || pageBytes <= 0 || !checkedMul(static_cast<size_t>(pages), static_cast<size_t>(pageBytes), &total))
+    return SIZE_MAX;
+  return total;
+}
 
 }  // namespace
 
@@ -110,12 +120,20 @@ void allreduceCoo(Comm& comm, const int64_t* rows, const void* values, size_t nn
                 " but their sizes or sparse dimensions differ");
   }
 
-  // ---- round 2: every rank's payload
-  std::vector<size_t> offsets(n + 1, 0), bytes(n);
-  for (int j = 0; j < n; ++j) {
-    bytes[j] = headers[j].payloadBytes;
-    offsets[j + 1] = offsets[j] + align64(bytes[j]);
-  }
+  // ---- round 2: every rank's payload, each announcement capped by what this
+  // tensor's shape allows and their sum by this host's memory (checked: the ring
+  // relays other ranks' headers, so the sum is whatever the relay says)
+  const uint64_t maxPayload = maxCooPayloadBytes(rowCount, rowElems, dtype);
+  for (int j = 0; j < n; ++j)
+    if (j != r && headers[j].payloadBytes > maxPayload)
+      comm.fail(ErrorKind::kConnection, comm.transport().rankName(j), " announced ", headers[j].payloadBytes,
+                " sparse payload bytes, more than a tensor of ", describe(headers[r]), " can have");
+  std::vector<size_t> offsets, bytes(n);
+  int culprit = 0;
+  if (const char* problem = cooScratchLayout(headers, physicalMemoryBytes(), &offsets, &culprit))
+    comm.fail(ErrorKind::kConnection, "the sparse headers (", comm.transport().rankName(culprit),
+              " announced ", headers[culprit].payloadBytes, " bytes): ", problem);
+  for (int j = 0; j < n; ++j) bytes[j] = headers[j].payloadBytes;
   char* payloads = comm.scratch(2, std::max<size_t>(offsets[n], 64));
   char* mine = reinterpret_cast<char*>(
       encodeCooRows(headers[r], myRows, reinterpret_cast<uint8_t*>(payloads + offsets[r])));

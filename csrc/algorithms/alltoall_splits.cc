@@ -1,5 +1,6 @@
 #include "algorithms/alltoall_splits.h"
 
+#include "common/checked_size.h"
 #include "common/error.h"
 
 namespace pycomm {
@@ -36,8 +37,7 @@ std::string checkAlltoallSplits(const std::vector<int64_t>& splits, int ranks, i
   size_t offset = 0;
   for (int i = 0; i < ranks; ++i) {
     size_t end = 0;
-    if (__builtin_mul_overflow(static_cast<uint64_t>((*table)[i]), rowBytes, &bytes[i]) ||
-        __builtin_add_overflow(offset, bytes[i], &end))
+    if (!checkedMul(static_cast<size_t>((*table)[i]), rowBytes, &bytes[i]) || !checkedAdd(offset, bytes[i], &end))
       return strCat(what, " splits overflow the byte count (", rows, " rows of ", rowBytes, " bytes)");
     offsets[i] = offset;
     offset = end;

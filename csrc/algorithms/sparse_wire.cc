@@ -1,8 +1,10 @@
 // The sparse all-reduce's message format (sparse_wire.h).
 #include "algorithms/sparse_wire.h"
 
+#include <algorithm>
 #include <cstring>
 
+#include "common/checked_size.h"
 #include "kernels/cpu/half.h"
 
 namespace pycomm {
@@ -136,6 +138,27 @@ const char* checkCooHeader(const CooHeader& h) {
   const uint64_t valuesAt = cooValuesOffset(h.indexBytes);
   if (valueBytes > (~0ull >> 1) - valuesAt || h.payloadBytes != valuesAt + valueBytes) return "payload bytes";
   return nullptr;
+}
+
+uint64_t maxCooPayloadBytes(uint64_t rowCount, uint64_t rowElems, DataType dtype) {
+  size_t indexBytes = 0, valueBytes = 0, rowBytes = 0, total = 0;
+  if (!checkedMul(rowCount, 10, &indexBytes) || !checkedAdd(indexBytes, 15, &indexBytes) ||
+      !checkedMul(rowElems, elementSize(dtype), &rowBytes) || !checkedMul(rowCount, rowBytes, &valueBytes) ||
+      !checkedAdd(indexBytes / 16 * 16, valueBytes, &total))
+    return UINT64_MAX;
+  return total;
+}
+
+const char* cooScratchLayout(const std::vector<CooHeader>& headers, size_t limit, std::vector<size_t>* offsets,
+                             int* culprit) {
+  std::vector<uint64_t> sizes(headers.size());
+  for (size_t j = 0; j < headers.size(); ++j) sizes[j] = headers[j].payloadBytes;
+  if (blockOffsets(sizes, 64, limit, offsets)) return nullptr;
+  *culprit = static_cast<int>(std::max_element(sizes.begin(), sizes.end()) - sizes.begin());
+  uint64_t sum = 0;
+  for (uint64_t s : sizes)
+    if (__builtin_add_overflow(sum, s, &sum)) return "the announced payloads add up to more than 2^64 bytes";
+  return "the announced payloads add up to more than this host's memory";
 }
 
 const char* decodeCooRows(const CooHeader& h, const uint8_t* payload, int64_t* rows) {

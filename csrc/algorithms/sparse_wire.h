@@ -186,6 +186,18 @@ uint8_t* encodeCooRows(const CooHeader& h, const int64_t* rows, uint8_t* out);
 // dtype pycomm does not carry, more rows than the index space has). Whether the
 // header matches this rank's tensor is the caller's check.
 const char* checkCooHeader(const CooHeader& h);
+// The most payload bytes a well-formed header for a tensor of `rowCount` rows of
+// `rowElems` elements of `dtype` can announce (every row once, each gap at most 10
+// varint bytes), saturating at UINT64_MAX. checkCooHeader's checks imply it; the
+// receiver checks it once more before it sizes anything.
+uint64_t maxCooPayloadBytes(uint64_t rowCount, uint64_t rowElems, DataType dtype);
+// The COO all-reduce's scratch: every rank's payload at a 64-byte aligned offset,
+// offsets[j] for rank j and offsets[n] the total, added with checked arithmetic
+// (the headers of other ranks come relayed through the ring: their sum may be
+// anything). nullptr, or what is wrong (the total wraps or exceeds `limit`); then
+// *culprit is the rank that announced the most.
+const char* cooScratchLayout(const std::vector<CooHeader>& headers, size_t limit, std::vector<size_t>* offsets,
+                             int* culprit);
 // Decodes a checked header's rows into rows[0 .. h.nnz). nullptr, or what is wrong:
 // gaps past the index bytes, rows not strictly ascending or outside [0, rowCount).
 const char* decodeCooRows(const CooHeader& h, const uint8_t* payload, int64_t* rows);

@@ -1,97 +1,72 @@
 #include "transport/hmac.h"
 
-#include <cstring>
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/kdf.h>
+#include <openssl/params.h>
+#include <openssl/rand.h>
+
+#include "common/error.h"
 
 namespace pycomm {
 namespace {
 
-// FIPS 180-4, 4.2.2: the first 32 bits of the fractional parts of the cube
-// roots of the first 64 primes.
-constexpr uint32_t kRound[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+[[noreturn]] void fail(const char* what) {
+  const unsigned long code = ERR_get_error();
+  char text[256] = "no detail";
+  if (code != 0) ERR_error_string_n(code, text, sizeof(text));
+  throwError(ErrorKind::kInternal, "pycomm: libcrypto ", what, " failed (", text, ")");
+}
 
-inline uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+void check(int ok, const char* what) {
+  if (ok != 1) fail(what);
+}
+
+// Fetched once: the default provider's SHA-256, HMAC and KDF implementations.
+const EVP_MD* sha256Md() {
+  static EVP_MD* md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+  if (md == nullptr) fail("EVP_MD_fetch(SHA256)");
+  return md;
+}
+
+EVP_MAC* hmacAlgorithm() {
+  static EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  if (mac == nullptr) fail("EVP_MAC_fetch(HMAC)");
+  return mac;
+}
+
+void deriveKey(const char* algorithm, OSSL_PARAM* params, uint8_t* out, size_t outBytes) {
+  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, algorithm, nullptr);
+  if (kdf == nullptr) fail("EVP_KDF_fetch");
+  EVP_KDF_CTX* ctx = EVP_KDF_CTX_new(kdf);
+  EVP_KDF_free(kdf);
+  if (ctx == nullptr) fail("EVP_KDF_CTX_new");
+  const int ok = EVP_KDF_derive(ctx, out, outBytes, params);
+  EVP_KDF_CTX_free(ctx);
+  check(ok, algorithm);
+}
 
 }  // namespace
 
-Sha256::Sha256() {
-  // FIPS 180-4, 5.3.3: the initial hash value H(0).
-  static constexpr uint32_t kInitial[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                                           0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  std::memcpy(state_, kInitial, sizeof(state_));
+Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) {
+  if (ctx_ == nullptr) fail("EVP_MD_CTX_new");
+  if (EVP_DigestInit_ex(static_cast<EVP_MD_CTX*>(ctx_), sha256Md(), nullptr) != 1) {
+    EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_));
+    fail("EVP_DigestInit_ex");
+  }
 }
 
-void Sha256::block(const uint8_t* data) {
-  // FIPS 180-4, 6.2.2.
-  uint32_t w[64];
-  for (int t = 0; t < 16; ++t)
-    w[t] = (uint32_t(data[4 * t]) << 24) | (uint32_t(data[4 * t + 1]) << 16) | (uint32_t(data[4 * t + 2]) << 8) |
-           uint32_t(data[4 * t + 3]);
-  for (int t = 16; t < 64; ++t) {
-    const uint32_t s0 = rotr(w[t - 15], 7) ^ rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
-    const uint32_t s1 = rotr(w[t - 2], 17) ^ rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
-    w[t] = w[t - 16] + s0 + w[t - 7] + s1;
-  }
-  uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3];
-  uint32_t e = state_[4], f = state_[5], g = state_[6], h = state_[7];
-  for (int t = 0; t < 64; ++t) {
-    const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[t] + w[t];
-    const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g;
-    g = f;
-    f = e;
-    e = d + t1;
-    d = c;
-    c = b;
-    b = a;
-    a = t1 + t2;
-  }
-  state_[0] += a;
-  state_[1] += b;
-  state_[2] += c;
-  state_[3] += d;
-  state_[4] += e;
-  state_[5] += f;
-  state_[6] += g;
-  state_[7] += h;
-}
+Sha256::~Sha256() { EVP_MD_CTX_free(static_cast<EVP_MD_CTX*>(ctx_)); }
 
 void Sha256::update(const void* data, size_t bytes) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  totalBytes_ += bytes;
-  if (buffered_ > 0) {
-    const size_t take = bytes < 64 - buffered_ ? bytes : 64 - buffered_;
-    std::memcpy(buffer_ + buffered_, p, take);
-    buffered_ += take;
-    p += take;
-    bytes -= take;
-    if (buffered_ < 64) return;
-    block(buffer_);
-    buffered_ = 0;
-  }
-  for (; bytes >= 64; p += 64, bytes -= 64) block(p);
-  if (bytes > 0) std::memcpy(buffer_, p, bytes);
-  buffered_ = bytes;
+  check(EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(ctx_), data, bytes), "EVP_DigestUpdate");
 }
 
 void Sha256::final(uint8_t digest[kSha256Bytes]) {
-  // FIPS 180-4, 5.1.1: a 1 bit, zeros to 56 mod 64 bytes, the length in bits (big-endian).
-  const uint64_t bits = totalBytes_ * 8;
-  const uint8_t one = 0x80, zero = 0;
-  update(&one, 1);
-  while (buffered_ != 56) update(&zero, 1);
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(bits >> (56 - 8 * i));
-  update(length, 8);
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 4; ++j) digest[4 * i + j] = static_cast<uint8_t>(state_[i] >> (24 - 8 * j));
+  unsigned int length = 0;
+  check(EVP_DigestFinal_ex(static_cast<EVP_MD_CTX*>(ctx_), digest, &length), "EVP_DigestFinal_ex");
 }
 
 void sha256(const void* data, size_t bytes, uint8_t digest[kSha256Bytes]) {
@@ -100,27 +75,34 @@ void sha256(const void* data, size_t bytes, uint8_t digest[kSha256Bytes]) {
   hash.final(digest);
 }
 
-HmacSha256::HmacSha256(const void* key, size_t keyBytes) {
-  // RFC 2104: K padded to the block size (hashed first when longer), then
-  // H((K ^ opad) | H((K ^ ipad) | text)).
-  uint8_t block[64] = {};
-  if (keyBytes > 64) sha256(key, keyBytes, block);
-  else std::memcpy(block, key, keyBytes);
-  uint8_t innerPad[64];
-  for (int i = 0; i < 64; ++i) {
-    innerPad[i] = block[i] ^ 0x36;
-    outerPad_[i] = block[i] ^ 0x5c;
+HmacSha256::HmacSha256(const void* key, size_t keyBytes) : ctx_(EVP_MAC_CTX_new(hmacAlgorithm())) {
+  if (ctx_ == nullptr) fail("EVP_MAC_CTX_new");
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0), OSSL_PARAM_END};
+  // EVP_MAC_init refuses a null key pointer even for an empty key.
+  static const uint8_t kEmpty = 0;
+  if (EVP_MAC_init(static_cast<EVP_MAC_CTX*>(ctx_), keyBytes > 0 ? static_cast<const uint8_t*>(key) : &kEmpty,
+                   keyBytes, params) != 1) {
+    EVP_MAC_CTX_free(static_cast<EVP_MAC_CTX*>(ctx_));
+    fail("EVP_MAC_init");
   }
-  inner_.update(innerPad, sizeof(innerPad));
+}
+
+HmacSha256::~HmacSha256() { EVP_MAC_CTX_free(static_cast<EVP_MAC_CTX*>(ctx_)); }
+
+void HmacSha256::update(const void* data, size_t bytes) {
+  check(EVP_MAC_update(static_cast<EVP_MAC_CTX*>(ctx_), static_cast<const uint8_t*>(data), bytes),
+        "EVP_MAC_update");
 }
 
 void HmacSha256::final(uint8_t mac[kSha256Bytes]) {
-  uint8_t innerDigest[kSha256Bytes];
-  inner_.final(innerDigest);
-  Sha256 outer;
-  outer.update(outerPad_, sizeof(outerPad_));
-  outer.update(innerDigest, sizeof(innerDigest));
-  outer.final(mac);
+  size_t length = 0;
+  check(EVP_MAC_final(static_cast<EVP_MAC_CTX*>(ctx_), mac, &length, kSha256Bytes), "EVP_MAC_final");
+}
+
+void HmacSha256::reset() {
+  // A null key re-initialises with the key already set.
+  check(EVP_MAC_init(static_cast<EVP_MAC_CTX*>(ctx_), nullptr, 0, nullptr), "EVP_MAC_init");
 }
 
 void hmacSha256(const void* key, size_t keyBytes, const void* data, size_t bytes, uint8_t mac[kSha256Bytes]) {
@@ -129,12 +111,45 @@ void hmacSha256(const void* key, size_t keyBytes, const void* data, size_t bytes
   hmac.final(mac);
 }
 
-bool constantTimeEqual(const void* a, const void* b, size_t bytes) {
-  const volatile uint8_t* x = static_cast<const volatile uint8_t*>(a);
-  const volatile uint8_t* y = static_cast<const volatile uint8_t*>(b);
-  uint8_t difference = 0;
-  for (size_t i = 0; i < bytes; ++i) difference |= x[i] ^ y[i];
-  return difference == 0;
+void hkdfSha256(const void* ikm, size_t ikmBytes, const void* salt, size_t saltBytes, const void* info,
+                size_t infoBytes, uint8_t* out, size_t outBytes) {
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<void*>(ikm), ikmBytes),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_SALT, const_cast<void*>(salt), saltBytes),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, const_cast<void*>(info), infoBytes),
+      OSSL_PARAM_END};
+  deriveKey("HKDF", params, out, outBytes);
+}
+
+void pbkdf2Sha256(const void* password, size_t passwordBytes, const void* salt, size_t saltBytes,
+                  uint32_t iterations, uint8_t* out, size_t outBytes) {
+  char digest[] = "SHA256";
+  uint64_t rounds = iterations;
+  // SP 800-132's lower limits (16-byte salt, 1000 rounds) are enforced only in FIPS mode;
+  // pkcs5 = 1 lifts them so the RFC vectors (short salts, 1 round) can be checked.
+  int pkcs5 = 1;
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_PASSWORD, const_cast<void*>(password), passwordBytes),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_SALT, const_cast<void*>(salt), saltBytes),
+      OSSL_PARAM_construct_uint64(OSSL_KDF_PARAM_ITER, &rounds),
+      OSSL_PARAM_construct_int(OSSL_KDF_PARAM_PKCS5, &pkcs5),
+      OSSL_PARAM_END};
+  deriveKey("PBKDF2", params, out, outBytes);
+}
+
+bool constantTimeEqual(const void* a, const void* b, size_t bytes) { return CRYPTO_memcmp(a, b, bytes) == 0; }
+
+void randomBytes(uint8_t* data, size_t bytes) {
+  // RAND_bytes takes an int count.
+  while (bytes > 0) {
+    const int n = bytes > (1u << 30) ? (1 << 30) : static_cast<int>(bytes);
+    check(RAND_bytes(data, n), "RAND_bytes");
+    data += n;
+    bytes -= static_cast<size_t>(n);
+  }
 }
 
 }  // namespace pycomm

@@ -19,7 +19,8 @@ namespace pycomm {
 
 TcpTransport::TcpTransport(int rank, int size, KeyValueStore& store, const TcpOptions& options,
                            std::vector<int> globalRanks)
-    : rank_(rank), size_(size), maxUnexpectedBytes_(options.maxUnexpectedBytes) {
+    : rank_(rank), size_(size), maxUnexpectedBytes_(options.maxUnexpectedBytes),
+      maxUnexpectedMessages_(options.maxUnexpectedMessages) {
   PYCOMM_CHECK_USAGE(options.socketsPerPeer >= 1 && options.socketsPerPeer <= kMaxStreams,
                      "pycomm: sockets per peer must be in 1..", kMaxStreams, " (PYCOMM_SOCKETS_PER_PEER), not ",
                      options.socketsPerPeer);
@@ -126,9 +127,11 @@ void TcpTransport::abort(const std::string& reason) {
       if (p.failure.empty()) p.failure = message;
       for (auto& posted : p.posted) failed.push_back(posted.request);
       p.posted.clear();
-      for (auto& u : p.unexpected)
+      for (auto& [order, u] : p.unexpected)
         if (u->claim == Unexpected::Claim::kWaiting) failed.push_back(u->waiter.request);
       p.unexpected.clear();
+      p.unclaimedByCall.clear();
+      p.unclaimedBySequence.clear();
       p.parked = false;
     }
   }

@@ -32,10 +32,12 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "transport/transport.h"
@@ -49,6 +51,10 @@ struct TcpOptions {
   std::string storePrefix;
   // The most payload bytes held for messages no receive has claimed yet.
   size_t maxUnexpectedBytes = size_t(1) << 30;
+  // The most such messages held per peer, whatever their size (empty ones cost a
+  // record each and nothing against the byte budget); past it the peer's stream
+  // waits unread, as past the byte budget.
+  size_t maxUnexpectedMessages = size_t(1) << 16;
   // The job secret's text (PYCOMM_SECRET): every rank derives the handshake key
   // from it and nothing secret goes into the store. Empty: rank 0 draws a random
   // secret into the store (`<prefix>secret`), so store access means membership.
@@ -113,6 +119,8 @@ class TcpTransport : public Transport {
       size_t size_ = 0;
     };
     uint64_t tag = 0;
+    uint64_t order = 0;    // arrival order among its peer's messages
+    bool indexed = false;  // in its peer's `unclaimed` indexes (unclaimed, not dropped)
     Bytes data;
     bool complete = false;
     Claim claim = Claim::kNone;
@@ -178,7 +186,14 @@ class TcpTransport : public Transport {
     // Guarded by mutex_.
     std::string failure;
     std::deque<PostedRecv> posted;
-    std::deque<std::shared_ptr<Unexpected>> unexpected;
+    std::map<uint64_t, std::shared_ptr<Unexpected>> unexpected;  // by arrival order (Unexpected::order)
+    // The unclaimed ones of `unexpected`, indexed so a receive finds its match
+    // without a scan: by tag outside the call bits (a message with the receive's
+    // tag or another call's, in arrival order), and collective ones by tag space
+    // and sequence number (earlier collectives' messages, earlierCall).
+    std::unordered_map<uint64_t, std::deque<Unexpected*>> unclaimedByCall;
+    std::multimap<uint64_t, Unexpected*> unclaimedBySequence;
+    uint64_t arrivals = 0;
     bool parked = false;  // stream 0 waits unread after a header: no receive, no budget
                           // (written under mutex_ by stream 0's thread)
     std::string abortText;                // stream 0's thread only
@@ -200,6 +215,13 @@ class TcpTransport : public Transport {
   // buffer, the discard path, or parks the stream; queues the other stripes on
   // their streams. Returns whether reading may go on.
   bool matchIncoming(int peer);
+  // Adds a buffered message to (or takes it out of) its peer's unclaimed
+  // indexes; under mutex_.
+  static void indexUnexpected(Peer& p, const std::shared_ptr<Unexpected>& u);
+  static void unindexUnexpected(Peer& p, Unexpected& u);
+  // The unclaimed message from `p` a receive of `tag` meets first: one of its
+  // call (same tag, or another call's), or an earlier collective's; null if none.
+  static Unexpected* firstUnclaimed(Peer& p, uint64_t tag);
   // Gives each parked stream owned by `thread` another chance.
   void retryParked(int thread);
   // Stops (or resumes) watching a stream's socket for reads, keeping writes armed.
@@ -239,6 +261,7 @@ class TcpTransport : public Transport {
   std::mutex mutex_;  // match lists, failures, abort state
   std::deque<PostedRecv> anyPosted_;
   const size_t maxUnexpectedBytes_;
+  const size_t maxUnexpectedMessages_;
   size_t unexpectedBytes_ = 0;          // payload bytes of `unexpected` entries
   std::atomic<int> parkedPeers_{0};
   std::string abortReason_;

@@ -10,7 +10,6 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,10 +17,10 @@
 #include <cstring>
 #include <list>
 #include <map>
-#include <random>
 
 #include "common/error.h"
 #include "common/logging.h"
+#include "transport/hmac.h"
 #include "transport/tcp_socket.h"
 
 namespace pycomm {
@@ -57,20 +56,6 @@ bool fromHex(const std::string& text, uint8_t* data, size_t bytes) {
     data[i] = static_cast<uint8_t>(hi * 16 + lo);
   }
   return true;
-}
-
-// Unpredictable bytes (nonces, the store secret, the group id).
-void randomBytes(uint8_t* data, size_t bytes) {
-  size_t got = 0;
-  while (got < bytes) {
-    const ssize_t n = ::getrandom(data + got, bytes - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-    else if (errno != EINTR) break;
-  }
-  if (got < bytes) {  // no getrandom (old kernel): the library's entropy source
-    std::random_device entropy;
-    for (; got < bytes; ++got) data[got] = static_cast<uint8_t>(entropy());
-  }
 }
 
 int msUntil(Clock::time_point when, Clock::time_point now) {

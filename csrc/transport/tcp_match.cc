@@ -90,36 +90,34 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes,
       // A message that already arrived (or is arriving) matches first.
       for (int source = 0; source < size_ && found == Found::kNothing && failure.empty(); ++source) {
         if (source == rank_ || (peer != kAnySource && source != peer)) continue;
-        auto& queue = peers_[source]->unexpected;
-        for (auto it = queue.begin(); it != queue.end(); ++it) {
-          Unexpected& u = **it;
-          if (u.claim != Unexpected::Claim::kNone) continue;
-          const bool wrongCall = otherCall(u.tag, tag);
-          const bool earlier = earlierCall(u.tag, tag);
-          if (u.tag != tag && !wrongCall && !earlier) continue;
-          if (wrongCall || earlier || !posted.fits(u.data.size())) {
-            failure = wrongCall ? otherCallText(rankName(source))
-                      : earlier ? earlierCallText(rankName(source), u.tag, tag)
-                                : sizeMismatchText(rankName(source), u.data.size(), posted.bytes, posted.upTo);
-            if (u.complete) {
-              unexpectedBytes_ -= u.data.size();
-              queue.erase(it);
-            } else {  // claim it, so the rest of it is read and dropped
-              u.claim = Unexpected::Claim::kDropped;
-            }
-          } else if (u.complete) {
-            delivered = u.data.size();
-            if (delivered > 0) std::memcpy(data, u.data.data(), delivered);
+        Peer& p = *peers_[source];
+        Unexpected* match = firstUnclaimed(p, tag);
+        if (match == nullptr) continue;
+        Unexpected& u = *match;
+        const bool wrongCall = otherCall(u.tag, tag);
+        const bool earlier = earlierCall(u.tag, tag);
+        unindexUnexpected(p, u);
+        if (wrongCall || earlier || !posted.fits(u.data.size())) {
+          failure = wrongCall ? otherCallText(rankName(source))
+                    : earlier ? earlierCallText(rankName(source), u.tag, tag)
+                              : sizeMismatchText(rankName(source), u.data.size(), posted.bytes, posted.upTo);
+          if (u.complete) {
             unexpectedBytes_ -= u.data.size();
-            queue.erase(it);
-            found = Found::kDelivered;
-            deliveredFrom = source;
-          } else {
-            u.claim = Unexpected::Claim::kWaiting;
-            u.waiter = posted;
-            found = Found::kClaimed;
+            p.unexpected.erase(match->order);
+          } else {  // claim it, so the rest of it is read and dropped
+            u.claim = Unexpected::Claim::kDropped;
           }
-          break;
+        } else if (u.complete) {
+          delivered = u.data.size();
+          if (delivered > 0) std::memcpy(data, u.data.data(), delivered);
+          unexpectedBytes_ -= u.data.size();
+          p.unexpected.erase(match->order);
+          found = Found::kDelivered;
+          deliveredFrom = source;
+        } else {
+          u.claim = Unexpected::Claim::kWaiting;
+          u.waiter = posted;
+          found = Found::kClaimed;
         }
       }
       if (found == Found::kNothing && failure.empty()) {
@@ -151,12 +149,12 @@ std::string TcpTransport::describePending(int peer) {
   const Peer& p = *peers_[peer];
   std::string text;
   size_t unmatched = 0;
-  for (const auto& u : p.unexpected)
-    if (u->claim == Unexpected::Claim::kNone) ++unmatched;
+  const Unexpected* first = nullptr;
+  for (const auto& [order, u] : p.unexpected)
+    if (u->claim == Unexpected::Claim::kNone && ++unmatched == 1) first = u.get();
   if (unmatched > 0) {
-    text = strCat(unmatched, " message(s) from ", rankName(peer),
-                  " arrived that no receive matched (first tag ", tagText(p.unexpected.front()->tag),
-                  ", ", p.unexpected.front()->data.size(), " bytes)");
+    text = strCat(unmatched, " message(s) from ", rankName(peer), " arrived that no receive matched (first tag ",
+                  tagText(first->tag), ", ", first->data.size(), " bytes)");
   } else {
     text = strCat("nothing arrived from ", rankName(peer), " for this operation");
   }
@@ -211,7 +209,8 @@ bool TcpTransport::matchIncoming(int peer) {
       return false;
     };
     const bool placed = take(p.posted) || take(anyPosted_);
-    const bool overBudget = !placed && bytes > maxUnexpectedBytes_ - std::min(unexpectedBytes_, maxUnexpectedBytes_);
+    const bool overBudget = !placed && (bytes > maxUnexpectedBytes_ - std::min(unexpectedBytes_, maxUnexpectedBytes_) ||
+                                        p.unexpected.size() >= maxUnexpectedMessages_);
     if (overBudget != p.parked) {
       p.parked = overBudget;
       parkedPeers_ += overBudget ? 1 : -1;
@@ -220,11 +219,13 @@ bool TcpTransport::matchIncoming(int peer) {
       auto buffer = std::make_shared<Unexpected>();
       Stats::instance().addBuffered(bytes);
       buffer->tag = s0.header.tag;
+      buffer->order = p.arrivals++;
       buffer->data.resize(bytes);
       unexpectedBytes_ += bytes;
       message->dst = buffer->data.data();
       message->buffer = buffer;
-      p.unexpected.push_back(std::move(buffer));
+      indexUnexpected(p, buffer);
+      p.unexpected.emplace(buffer->order, std::move(buffer));
     }
   }
   if (mismatched) mismatched->fail(mismatch);
@@ -255,6 +256,67 @@ bool TcpTransport::matchIncoming(int peer) {
     if (dropped) dropStripe(peer, message);  // its stream is gone with its peer
   }
   return true;
+}
+
+namespace {
+
+// A collective message's place for earlierCall: its tag space (bits 61-63) and
+// sequence number (bits 0-31).
+uint64_t sequenceKey(uint64_t tag) { return (tag >> 61) << 32 | (tag & 0xffffffffull); }
+
+}  // namespace
+
+void TcpTransport::indexUnexpected(Peer& p, const std::shared_ptr<Unexpected>& u) {
+  p.unclaimedByCall[u->tag & ~kCallTagMask].push_back(u.get());
+  if (u->tag >> 63) p.unclaimedBySequence.emplace(sequenceKey(u->tag), u.get());
+  u->indexed = true;
+}
+
+void TcpTransport::unindexUnexpected(Peer& p, Unexpected& u) {
+  if (!u.indexed) return;
+  u.indexed = false;
+  auto group = p.unclaimedByCall.find(u.tag & ~kCallTagMask);
+  if (group != p.unclaimedByCall.end()) {
+    auto& list = group->second;
+    // Receives take messages in arrival order: the front, but for failures.
+    auto it = std::find(list.begin(), list.end(), &u);
+    if (it != list.end()) list.erase(it);
+    if (list.empty()) p.unclaimedByCall.erase(group);
+  }
+  if (u.tag >> 63) {
+    auto range = p.unclaimedBySequence.equal_range(sequenceKey(u.tag));
+    for (auto it = range.first; it != range.second; ++it)
+      if (it->second == &u) {
+        p.unclaimedBySequence.erase(it);
+        break;
+      }
+  }
+}
+
+TcpTransport::Unexpected* TcpTransport::firstUnclaimed(Peer& p, uint64_t tag) {
+  Unexpected* first = nullptr;
+  auto group = p.unclaimedByCall.find(tag & ~kCallTagMask);
+  if (group != p.unclaimedByCall.end() && !group->second.empty()) first = group->second.front();
+  if ((tag >> 63) && !p.unclaimedBySequence.empty()) {
+    // Earlier collectives of the same space: sequence numbers 1 .. 2^31 - 1 behind
+    // (mod 2^32), at most two ranges of keys.
+    const uint64_t space = (tag >> 61) << 32;
+    const uint32_t seq = static_cast<uint32_t>(tag);
+    const uint32_t lo = seq - 0x7fffffffu, hi = seq - 1;
+    auto earliest = [&](uint32_t from, uint32_t to) {
+      auto it = p.unclaimedBySequence.lower_bound(space | from);
+      if (it != p.unclaimedBySequence.end() && it->first <= (space | to) && earlierCall(it->second->tag, tag) &&
+          (first == nullptr || it->second->order < first->order))
+        first = it->second;
+    };
+    if (lo <= hi) {
+      earliest(lo, hi);
+    } else {
+      earliest(lo, 0xffffffffu);
+      earliest(0, hi);
+    }
+  }
+  return first;
 }
 
 void TcpTransport::retryParked(int thread) {
@@ -288,8 +350,9 @@ void TcpTransport::failLostMessage(int peer, const std::shared_ptr<Inbound>& mes
     Peer& p = *peers_[peer];
     failure = p.failure;
     if (message->buffer) {
-      auto it = std::find(p.unexpected.begin(), p.unexpected.end(), message->buffer);
-      if (it != p.unexpected.end()) {
+      auto it = p.unexpected.find(message->buffer->order);
+      if (it != p.unexpected.end() && it->second == message->buffer) {
+        unindexUnexpected(p, *message->buffer);
         unexpectedBytes_ -= message->buffer->data.size();
         if (message->buffer->claim == Unexpected::Claim::kWaiting && !message->request)
           message->request = message->buffer->waiter.request;
@@ -333,8 +396,8 @@ void TcpTransport::finishIncoming(int peer, const std::shared_ptr<Inbound>& mess
           std::memcpy(buffer->waiter.data, buffer->data.data(), buffer->data.size());
       }
       auto& queue = p.unexpected;
-      auto it = std::find(queue.begin(), queue.end(), buffer);
-      if (it != queue.end()) {
+      auto it = queue.find(buffer->order);
+      if (it != queue.end() && it->second == buffer) {
         unexpectedBytes_ -= buffer->data.size();
         queue.erase(it);
       }
@@ -411,12 +474,13 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
     // leaving had written them whole or not: they complete, or fail when the
     // stream that carries their rest ends (failLostMessage).
     for (auto it = p.unexpected.begin(); it != p.unexpected.end() && !leaving;) {
-      Unexpected& u = **it;
+      Unexpected& u = *it->second;
       if (u.complete) {
         ++it;
         continue;
       }
       if (u.claim == Unexpected::Claim::kWaiting) failed.push_back(u.waiter.request);
+      unindexUnexpected(p, u);
       u.claim = Unexpected::Claim::kDropped;
       u.waiter = PostedRecv{};
       unexpectedBytes_ -= u.data.size();

@@ -1,7 +1,9 @@
-// SHA-256 and HMAC-SHA256 (csrc/transport/hmac.h) against the published test
-// vectors: NIST's SHA-256 examples (FIPS 180-4 / CSRC "SHA_All" and the
-// one-million-'a' message) and RFC 4231's HMAC-SHA256 cases 1-7. Built and run
-// by tests/test_hmac_cpp.py; prints one line per check, exits non-zero on failure.
+// The crypto seam (csrc/transport/hmac.h, libcrypto underneath) against the
+// published test vectors: NIST's SHA-256 examples (FIPS 180-4 / CSRC "SHA_All"
+// and the one-million-'a' message), RFC 4231's HMAC-SHA256 cases 1-7, RFC 5869's
+// HKDF-SHA256 case 1, and PBKDF2-HMAC-SHA256 (RFC 7914 section 11's case 1 and the
+// widely published password/salt cases). Built and run by tests/test_hmac_cpp.py;
+// prints one line per check, exits non-zero on failure.
 #include <iostream>
 #include <string>
 
@@ -94,6 +96,47 @@ int main() {
   for (const auto& v : rfc4231) {
     const std::string got = hmacHex(v.key, v.data).substr(0, v.mac.size());
     expect(got == v.mac, "RFC 4231 test case " + std::to_string(++number) + ": " + got);
+  }
+  // HMAC reset() starts a new MAC under the same key.
+  {
+    HmacSha256 mac("Jefe", 4);
+    mac.update("garbage", 7);
+    mac.reset();
+    const std::string data = "what do ya want for nothing?";
+    mac.update(data.data(), data.size());
+    uint8_t out[kSha256Bytes];
+    mac.final(out);
+    expect(hex(out, sizeof(out)) == "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843",
+           "HMAC reset() gives RFC 4231 case 2 after discarded input");
+  }
+  {
+    uint8_t ikm[22], salt[13], info[10], okm[42];
+    for (int i = 0; i < 22; ++i) ikm[i] = 0x0b;
+    for (int i = 0; i < 13; ++i) salt[i] = static_cast<uint8_t>(i);
+    for (int i = 0; i < 10; ++i) info[i] = static_cast<uint8_t>(0xf0 + i);
+    hkdfSha256(ikm, sizeof(ikm), salt, sizeof(salt), info, sizeof(info), okm, sizeof(okm));
+    const std::string got = hex(okm, sizeof(okm));
+    expect(got == "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865",
+           "RFC 5869 HKDF-SHA256 test case 1: " + got);
+  }
+  struct { std::string password, salt; uint32_t rounds; size_t length; std::string key; } pbkdf2[] = {
+      {"password", "salt", 1, 32, "120fb6cffcf8b32c43e7225256c4f837a86548c92ccc35480805987cb70be17b"},
+      {"password", "salt", 4096, 32, "c5e478d59288c841aa530db6845c4c8d962893a001ce4e11a4963873aa98134a"},
+      {"passwd", "salt", 1, 64,
+       "55ac046e56e3089fec1691c22544b605f94185216dde0465e68b9d57c20dacbc49ca9cccf179b645991664b39d77ef317c71b845b1e30bd50"
+       "9112041d3a19783"},
+  };
+  for (const auto& v : pbkdf2) {
+    uint8_t out[64];
+    pbkdf2Sha256(v.password.data(), v.password.size(), v.salt.data(), v.salt.size(), v.rounds, out, v.length);
+    const std::string got = hex(out, v.length);
+    expect(got == v.key, "PBKDF2-HMAC-SHA256 " + v.password + "/" + v.salt + " x" + std::to_string(v.rounds) + ": " + got);
+  }
+  {
+    uint8_t x[32] = {}, y[32] = {};
+    randomBytes(x, sizeof(x));
+    randomBytes(y, sizeof(y));
+    expect(!constantTimeEqual(x, y, sizeof(x)), "randomBytes draws differ");
   }
   const uint8_t a[4] = {1, 2, 3, 4}, b[4] = {1, 2, 3, 5};
   expect(constantTimeEqual(a, a, 4) && !constantTimeEqual(a, b, 4) && constantTimeEqual(a, b, 3),

@@ -38,9 +38,10 @@ struct TcpTransportProbe {
     std::lock_guard<std::mutex> lock(t.mutex_);
     auto& queue = t.peers_[peer]->unexpected;
     if (queue.empty()) return nullptr;
-    *complete = queue.front()->complete;
-    *waiting = queue.front()->claim == TcpTransport::Unexpected::Claim::kWaiting;
-    return queue.front();
+    const auto& front = queue.begin()->second;
+    *complete = front->complete;
+    *waiting = front->claim == TcpTransport::Unexpected::Claim::kWaiting;
+    return front;
   }
   // Whether that message still hands its data to a receive when it ends.
   static bool stillAttached(TcpTransport& t, const std::shared_ptr<void>& message) {
@@ -842,6 +843,34 @@ void unexpectedBudgetKeepsEveryMessage(int sockets, int ioThreads, size_t bytes)
   expect(ok && received == sent, "every message arrives intact, in any posting order" + streams);
 }
 
+// Empty messages that no receive has claimed cost nothing against the byte budget
+// but a record each: past maxUnexpectedMessages per peer the stream waits unread
+// (as past the byte budget), so a peer cannot make this rank allocate records
+// without bound; every message still arrives once receives are posted, and a
+// receive posted for the message that waits unread takes it.
+void emptyMessagesAreCounted() {
+  MemoryStore store(kStoreTimeout);
+  TcpOptions options;
+  options.maxUnexpectedMessages = 64;
+  auto transports = mesh(2, store, {}, options);
+  constexpr int kMessages = 300;
+  std::vector<RequestPtr> sends, recvs;
+  for (int m = 0; m < kMessages; ++m) sends.push_back(transports[1]->isend(0, 1000 + m, nullptr, 0));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 64 held, the next one parked
+  const std::string pending = transports[0]->describePending(1);
+  expect(pending.find("64 message(s) from rank 1") != std::string::npos &&
+             pending.find("waits unread") != std::string::npos,
+         "at most 64 empty messages are held; the next waits unread: " + pending);
+  // The parked one (the 65th) first, then the rest in reverse order of the held ones.
+  recvs.push_back(transports[0]->irecv(1, 1000 + 64, nullptr, 0));
+  for (int m = kMessages - 1; m >= 0; --m)
+    if (m != 64) recvs.push_back(transports[0]->irecv(1, 1000 + m, nullptr, 0));
+  bool ok = true;
+  for (auto& r : recvs) ok = waitOk(r) && ok;
+  for (auto& s : sends) ok = waitOk(s) && ok;
+  expect(ok, "every empty message arrives");
+}
+
 // A sender that goes away mid-message (its sockets close) fails the striped
 // receive in progress and everything else waiting on it, on every stream; nothing hangs.
 void lostPeerFailsEveryStream() {
@@ -933,6 +962,7 @@ int main() {
   receivesPostedWhileTheMessageArrives();
   hugeAnnouncementAllocatesNothing();
   unexpectedBudgetKeepsEveryMessage(1, 1, 768 << 10);
+  emptyMessagesAreCounted();
   failedPeerDetachesHalfReceivedMessage();
   stripedStreamsKeepEveryMessage();
   unexpectedBudgetKeepsEveryMessage(3, 2, (768 << 10) + 1);
