@@ -40,10 +40,6 @@ void Comm::beginWithin(const Comm& outer, const std::string& algorithm) {
   deadline_ = outer.deadline_;
 }
 
-std::string Comm::prefix() const {
-  return algorithm_.empty() ? strCat("pycomm ", op_) : strCat("pycomm ", op_, " (", algorithm_, ")");
-}
-
 void Comm::letGo(const std::string& reason) const {
   if (arena_ != nullptr) arena_->abort(reason);
   transport_.abort(reason);

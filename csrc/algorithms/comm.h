@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/call.h"
 #include "common/cost_model.h"
 #include "common/dtype.h"
 #include "common/error.h"
@@ -42,6 +43,8 @@ class Comm {
   void begin(const std::string& op, const std::string& algorithm = "");
   // As above with a per-op timeout (torch's per-call options).
   void begin(const std::string& op, std::chrono::milliseconds timeout);
+  // Starts the collective `call` describes (its op and timeout).
+  void begin(const CallDescriptor& call) { begin(call.op, call.timeout); }
   void setAlgorithm(const std::string& algorithm) { algorithm_ = algorithm; }
   // Puts `hash` (of the call: collective, dtype, reduce op, root) into the current
   // collective's tag (transport.h, kCallTagMask): a peer in another call at this
@@ -59,8 +62,8 @@ class Comm {
   const std::string& opName() const { return op_; }
   // The algorithm the current collective runs ("" before it chose one).
   const std::string& algorithmName() const { return algorithm_; }
-  // "pycomm <op> (<algorithm>)": the one place runtime errors get their prefix.
-  std::string prefix() const;
+  // "pycomm <op> (<algorithm>)" (errorPrefix, common/call.h): runtime errors' prefix.
+  std::string prefix() const { return errorPrefix(op_, algorithm_); }
   // Throws an Error of `kind`: prefix() + ": " + the arguments, which are also
   // its detail() (what an aborting rank tells its peers, without the prefix).
   // A runtime failure (any kind but kUsage) first makes the transport and the
@@ -68,10 +71,9 @@ class Comm {
   // free what their receives were posted into.
   template <typename... Args>
   [[noreturn]] void fail(ErrorKind kind, Args&&... args) const {
-    std::string detail = strCat(std::forward<Args>(args)...);
-    std::string message = strCat(prefix(), ": ", detail);  // before detail is moved from
+    const std::string detail = strCat(std::forward<Args>(args)...);
     if (kind != ErrorKind::kUsage) letGo(detail);
-    throw Error(kind, message, std::move(detail));
+    throw Error(kind, prefix(), detail);
   }
   // Aborts the transport and the arena with `reason` (idempotent; the first
   // reason is the one peers are told). After it no request of this group is

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "algorithms/collectives.h"
+#include "backend/call_check.h"
 #include "backend/completion_pool.h"
 #include "backend/device_seam.h"
 #include "backend/flight_recorder.h"
@@ -31,18 +32,6 @@
 #include "transport/transport.h"
 
 namespace pycomm {
-
-// What one rank called, exchanged before each collective when checking is on
-// (PYCOMM_CHECK=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL) so a mismatch between ranks
-// fails clearly instead of producing a wrong result.
-struct CallSignature {
-  char op[40] = {};
-  int32_t dtype = -1;     // DataType, -1 when not compared
-  int32_t reduceOp = -1;  // ReduceOp, -1 when not compared
-  int64_t count = -1;     // elements this rank contributes, -1 when not compared
-  int32_t root = -1;
-  int32_t reserved = 0;
-};
 
 // The op name of dist.monitored_barrier's calls (errors, stats, the flight recorder).
 constexpr const char* kMonitoredBarrier = "monitored_barrier";
@@ -166,12 +155,11 @@ class ProcessGroupPycomm : public c10d::Backend {
   // blocking call with nothing queued; the returned work completes with `outputs`.
   // An inline call with `launch.workOptional` returns no work (nullptr), unless
   // the profiler records or torch registers in-flight works (a failure throws).
-  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+  // (work_queue.cc) `call`: the entry point's description (common/call.h), whose
+  // bytes (of `outputs`) and timeout (the group's if unset) enqueue fills in.
+  c10::intrusive_ptr<c10d::Work> enqueue(CallDescriptor call, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         std::chrono::milliseconds timeout, const Launch& launch,
-                                         CallSignature signature);
-  // Compares this call's signature with every rank's; throws naming the ranks that differ.
-  void checkSameCall(Comm& comm, const CallSignature& mine);
+                                         const Launch& launch);
   void workerLoop();
   void stopWorker();
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
@@ -181,15 +169,12 @@ class ProcessGroupPycomm : public c10d::Backend {
   void start();
 
   struct Task {
-    std::string op;
+    CallDescriptor call;
     std::function<void()> beforeBody;  // a device seam's step (empty: none)
     Body body;
     std::function<void()> afterBody;   // a device seam's step after a body that succeeded
     c10::intrusive_ptr<PycommWork> work;
-    std::chrono::milliseconds timeout;
-    CallSignature signature;
-    uint64_t seq = 0;    // the group's sequence number of this call
-    uint64_t bytes = 0;  // bytes of its output tensors
+    uint64_t seq = 0;  // the group's sequence number of this call
   };
   // Runs one task to completion: on the worker thread, whose Future completions
   // (and their callbacks) go to completions_, or inline on a blocking caller,
