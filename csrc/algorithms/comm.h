@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "algorithms/topology.h"
 #include "common/call.h"
 #include "common/cost_model.h"
 #include "common/dtype.h"
@@ -28,7 +29,9 @@ constexpr uint64_t kCollectiveTagBit = 1ull << 63;
 class Comm {
  public:
   Comm(Transport& transport, std::chrono::milliseconds timeout, size_t segmentBytes)
-      : transport_(transport), timeout_(timeout), segmentBytes_(segmentBytes) {}
+      : transport_(transport), timeout_(timeout), segmentBytes_(segmentBytes) {
+    refreshTopology();
+  }
 
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
@@ -55,7 +58,13 @@ class Comm {
   }
   // The cost model `auto` uses on this group (common/cost_model.h).
   const CostModel& costModel() const { return costModel_; }
-  void setCostModel(const CostModel& model) { costModel_ = model; }
+  void setCostModel(const CostModel& model) {
+    costModel_ = model;
+    refreshTopology();
+  }
+  // The group's shape (ranks, hosts, one host, cost model), computed once from the
+  // setters above rather than on every call.
+  const Topology& topology() const { return topology_; }
   // Starts a collective that is part of `outer`'s (a sub-group's share of it):
   // same op, tag, timeout and deadline.
   void beginWithin(const Comm& outer, const std::string& algorithm);
@@ -102,11 +111,17 @@ class Comm {
   // The node-local shared-memory arena, when the group has one (ranks that
   // share a host); shm-native algorithms use it, the others ignore it.
   ShmArena* arena() const { return arena_; }
-  void setArena(ShmArena* arena) { arena_ = arena; }
+  void setArena(ShmArena* arena) {
+    arena_ = arena;
+    refreshTopology();
+  }
   // The lowest rank on each host, ascending (empty when unknown). With the
   // arena it gives the hierarchical all-reduce its two levels.
   const std::vector<int>& hostLeaders() const { return hostLeaders_; }
-  void setHostLeaders(std::vector<int> leaders) { hostLeaders_ = std::move(leaders); }
+  void setHostLeaders(std::vector<int> leaders) {
+    hostLeaders_ = std::move(leaders);
+    refreshTopology();
+  }
   // The host leaders as a group of their own (a SubTransport view of this
   // transport), for a rank among them; kept across calls, so its scratch
   // buffers persist and outlive any receive still posted into them.
@@ -127,6 +142,8 @@ class Comm {
   char* scratch(int slot, size_t bytes);
 
  private:
+  void refreshTopology();
+
   Transport& transport_;
   std::chrono::milliseconds timeout_;
   const size_t segmentBytes_;
@@ -137,6 +154,7 @@ class Comm {
   std::string op_;
   std::string algorithm_;
   CostModel costModel_;
+  Topology topology_;
   ShmArena* arena_ = nullptr;
   std::vector<int> hostLeaders_;
   std::unique_ptr<Transport> leaderView_;
@@ -146,14 +164,11 @@ class Comm {
   char creditByte_ = 0;  // where 0-byte credits point; nothing is ever written to it
 };
 
-// What an arena collective posts with each step (ShmArena::Call): the
-// collective, the bytes every rank must agree on, and where they matter the
-// dtype, reduce op and root.
-enum class ArenaOp : uint8_t {
-  kAllreduce = 1, kBroadcast, kAllgather, kReduceScatter, kGather, kScatter, kAlltoall, kBarrier
-};
-ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, int root = -1);
-ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, DataType dtype, ReduceOp reduce);
+// What an arena collective posts with each step (ShmArena::Call): the collective
+// (kAllreduce..kBarrier), the bytes every rank must agree on, and where they matter
+// the dtype, reduce op and root (backend/call_check.h: why this check is per step).
+ShmArena::Call arenaCall(Collective op, uint64_t bytes, int root = -1);
+ShmArena::Call arenaCall(Collective op, uint64_t bytes, DataType dtype, ReduceOp reduce);
 
 // Splits `count` elements into `parts` near-equal chunks; returns the n+1 offsets.
 std::vector<size_t> balancedOffsets(size_t count, int parts);

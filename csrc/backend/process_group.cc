@@ -12,6 +12,7 @@
 #include "backend/call_check.h"
 #include "backend/store_adapter.h"
 #include "backend/tensor_checks.h"
+#include "common/logging.h"
 #include "transport/bootstrap.h"
 
 namespace pycomm {
@@ -24,8 +25,9 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     : c10d::Backend(rank, size), config_(std::move(config)), store_(store) {
   setDebugEnabled(config_.debug);
   GroupTransport bootstrapped;
+  const AllreduceAlgorithm* setting = nullptr;
   try {
-    findAllreduceAlgorithm(config_.algorithm);  // reject a bad PYCOMM_ALGO before connecting
+    setting = findAllreduceAlgorithm(config_.algorithm);  // a bad PYCOMM_ALGO fails before connecting
     StoreAdapter adapter(store);
     bootstrapped = bootstrapGroup(adapter, rank, size, config_);
   } catch (const Error& e) {
@@ -35,7 +37,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
   hostLeaders_ = std::move(bootstrapped.hostLeaders);
   group_ = std::make_shared<GroupState>(std::move(bootstrapped.transport));
   group_->setArena(std::move(bootstrapped.arena));
-  start();
+  start(setting);
 }
 
 ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Transport> transport, GroupConfig config)
@@ -43,18 +45,22 @@ ProcessGroupPycomm::ProcessGroupPycomm(std::shared_ptr<Transport> transport, Gro
   setDebugEnabled(config_.debug);
   transport->setGlobalRanks(config_.globalRanks);
   group_ = std::make_shared<GroupState>(std::move(transport));
-  start();
+  const AllreduceAlgorithm* setting = nullptr;
+  try {
+    setting = findAllreduceAlgorithm(config_.algorithm);
+  } catch (const Error& e) {
+    usageError(strCat(e.what(), " (PYCOMM_ALGO=", config_.algorithm, ")"));
+  }
+  start(setting);
 }
 
-void ProcessGroupPycomm::start() {
+void ProcessGroupPycomm::start(const AllreduceAlgorithm* setting) {
   comm_ = std::make_unique<Comm>(group_->transport(), config_.timeout, config_.segmentBytes);
   comm_->setArena(group_->arena());
   comm_->setCostModel(config_.cost);
   comm_->setHostLeaders(hostLeaders_);
   try {
-    const AllreduceAlgorithm* setting = findAllreduceAlgorithm(config_.algorithm);
-    if (setting != nullptr) checkFits(*setting, topologyOf(*comm_));
-    algorithm_ = setting;
+    applySetting(setting);
   } catch (const Error& e) {
     usageError(strCat(e.what(), " (PYCOMM_ALGO=", config_.algorithm, ")"));
   }
@@ -99,11 +105,14 @@ std::chrono::milliseconds ProcessGroupPycomm::effectiveTimeout(
   return requested == c10d::kUnsetTimeout ? config_.timeout : requested;
 }
 
+void ProcessGroupPycomm::applySetting(const AllreduceAlgorithm* setting) {
+  if (setting != nullptr) checkFits(*setting, comm_->topology());
+  algorithm_ = setting;
+}
+
 void ProcessGroupPycomm::setAlgorithm(const std::string& name) {
   try {
-    const AllreduceAlgorithm* setting = findAllreduceAlgorithm(name);
-    if (setting != nullptr) checkFits(*setting, topologyOf(*comm_));
-    algorithm_ = setting;
+    applySetting(findAllreduceAlgorithm(name));
   } catch (const Error& e) {
     usageError(e.what());
   }
@@ -112,23 +121,11 @@ void ProcessGroupPycomm::setAlgorithm(const std::string& name) {
 std::string ProcessGroupPycomm::algorithm() const { return settingName(algorithm_.load()); }
 
 std::string ProcessGroupPycomm::selectAlgorithm(size_t bytes) const {
-  const AllreduceAlgorithm* setting = algorithm_.load();
-  return setting != nullptr ? setting->name : chooseAllreduceAlgorithm(bytes, topologyOf(*comm_)).name;
+  return planAlgorithm(Collective::kAllreduce, bytes, comm_->topology(), algorithm_.load());
 }
 
-std::string ProcessGroupPycomm::expectedAlgorithm(const std::string& op, uint64_t bytes) const {
-  // Mirrors the dispatch: allreduce_registry.cc for all-reduce, dispatch.cc for the rest.
-  if (op == "allreduce" || op == "allreduce_coalesced") return selectAlgorithm(bytes);
-  if (op == "allreduce_quantized") return "quantized";
-  if (op == "allreduce_sparse") return "sparse";
-  if (op == kMonitoredBarrier) return "monitored";  // point to point, on one host too
-  if (getSize() > 1 && topologyOf(*comm_).oneHost) return "shm";
-  if (op == "broadcast" || op == "reduce") return "tree";
-  if (op.rfind("allgather", 0) == 0 || op.rfind("reduce_scatter", 0) == 0) return "ring";
-  if (op == "gather" || op == "scatter") return "direct";
-  if (op == "alltoall") return "pairwise";
-  if (op == "barrier") return "dissemination";
-  return "";
+std::string ProcessGroupPycomm::expectedAlgorithm(const CallDescriptor& call) const {
+  return planAlgorithm(call.collective, call.bytes, comm_->topology(), algorithm_.load());
 }
 
 std::string ProcessGroupPycomm::lastAlgorithm() const {
@@ -139,7 +136,7 @@ std::string ProcessGroupPycomm::lastAlgorithm() const {
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
   // No tensors: nothing for a device seam to stage, and a blocking barrier may
   // return no Work, as the CPU calls of runOnDevice do.
-  return enqueue(describeCall("barrier", opts.timeout), OpType::BARRIER, {},
+  return enqueue(describeCall("barrier", Collective::kBarrier, opts.timeout), OpType::BARRIER, {},
                  [](Comm& c) { pycomm::barrier(c); },
                  Launch{opts.asyncOp, {}, /*workOptional=*/true, /*afterBody=*/{}});
 }
@@ -148,7 +145,7 @@ void ProcessGroupPycomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool
   // Blocking, as gloo's: rank 0 names the ranks that did not arrive within
   // opts.timeout (barrier_monitored.cc). torch's dist.monitored_barrier refuses every
   // backend but gloo before it gets here; pycomm.monitored_barrier calls it directly.
-  auto work = enqueue(describeCall(kMonitoredBarrier, opts.timeout), OpType::BARRIER, {},
+  auto work = enqueue(describeCall(kMonitoredBarrier, Collective::kMonitoredBarrier, opts.timeout), OpType::BARRIER, {},
                       [waitAllRanks](Comm& c) { pycomm::barrierMonitored(c, waitAllRanks); },
                       Launch{/*asyncOp=*/false, {}, /*workOptional=*/true, /*afterBody=*/{}});
   if (work) work->wait();

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "algorithms/collectives.h"
+#include "algorithms/plan.h"
 #include "backend/call_check.h"
 #include "backend/completion_pool.h"
 #include "backend/device_seam.h"
@@ -166,7 +167,11 @@ class ProcessGroupPycomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> pointToPoint(const char* op, c10d::OpType type,
                                               std::vector<at::Tensor>& tensors, int peer, int tag,
                                               bool isSend);
-  void start();
+  // Starts the worker with the all-reduce `setting` (PYCOMM_ALGO, found by the constructor).
+  void start(const AllreduceAlgorithm* setting);
+  // Makes `setting` the group's all-reduce algorithm after checking that it fits the
+  // group (the one check: the run trusts it, as the group's topology never changes).
+  void applySetting(const AllreduceAlgorithm* setting);
 
   struct Task {
     CallDescriptor call;
@@ -183,7 +188,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::exception_ptr runTask(Task& task, bool inline_);
   // The algorithm `op` on `bytes` is expected to run (for the profiler, which
   // needs it when the call is made; the flight recorder keeps what did run).
-  std::string expectedAlgorithm(const std::string& op, uint64_t bytes) const;
+  std::string expectedAlgorithm(const CallDescriptor& call) const;
   // After a runtime failure of call `seq`: publishes this rank's progress in the
   // store and, when `compare`, waits briefly for the peers' and returns the
   // verdict (flight_recorder.h compareProgress; "" without one). Bounded: a store

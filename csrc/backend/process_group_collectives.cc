@@ -50,9 +50,9 @@ std::vector<at::Tensor> readableWhileWriting(const std::vector<at::Tensor>& inpu
 // The call `op` makes (common/call.h), described from its tensor `like` (dtype, and
 // count: -1 takes like's numel, -2 leaves counts uncompared, as all-to-all's splits
 // differ), its reduce op and root.
-CallDescriptor callOf(const char* op, std::chrono::milliseconds timeout, const at::Tensor* like = nullptr,
-                      int64_t count = -1, int reduceOp = -1, int root = -1) {
-  CallDescriptor call = describeCall(op, timeout);
+CallDescriptor callOf(const char* op, Collective collective, std::chrono::milliseconds timeout,
+                      const at::Tensor* like = nullptr, int64_t count = -1, int reduceOp = -1, int root = -1) {
+  CallDescriptor call = describeCall(op, collective, timeout);
   if (like != nullptr) {
     call.dtype = static_cast<int32_t>(toDataType(op, like->scalar_type()));
     call.count = count == -2 ? -1 : count >= 0 ? count : like->numel();
@@ -77,7 +77,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(Tensors& tensors,
     const at::Tensor& t = single("broadcast", tensors);
     checkRank("broadcast", static_cast<int>(opts.rootRank), getSize(), "root rank");
     const int root = static_cast<int>(opts.rootRank);
-    const CallDescriptor call = callOf("broadcast", opts.timeout, &t, -1, -1, root);
+    const CallDescriptor call = callOf("broadcast", Collective::kBroadcast, opts.timeout, &t, -1, -1, root);
     return enqueue(call, OpType::BROADCAST, tensors,
                    [t, root](Comm& c) {
                      pycomm::broadcast(c, t.data_ptr(), t.nbytes(), root);
@@ -96,7 +96,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(Tensors& tensors,
     const DataType dtype = toDataType("allreduce", t.scalar_type());
     const ReduceOp op = toReduceOp("allreduce", opts.reduceOp, dtype);
     const std::optional<double> premul = premulFactor(opts.reduceOp);
-    const CallDescriptor call = callOf("allreduce", opts.timeout, &t, -1, static_cast<int>(op));
+    const CallDescriptor call = callOf("allreduce", Collective::kAllreduce, opts.timeout, &t, -1, static_cast<int>(op));
     return enqueue(call, OpType::ALLREDUCE, tensors,
                    [this, t, dtype, op, premul](Comm& c) {
                      if (premul) t.mul_(*premul);
@@ -119,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     const ReduceOp op = toReduceOp("allreduce_coalesced", opts.reduceOp, dtype);
     const std::optional<double> premul = premulFactor(opts.reduceOp);
     const CallDescriptor call =
-        callOf("allreduce_coalesced", opts.timeout, &tensors[0], totalNumel(tensors), static_cast<int>(op));
+        callOf("allreduce_coalesced", Collective::kAllreduce, opts.timeout, &tensors[0], totalNumel(tensors), static_cast<int>(op));
     return enqueue(call, OpType::ALLREDUCE_COALESCED, tensors,
                    [this, tensors, dtype, op, premul](Comm& c) {
                      Tensors flat;
@@ -149,7 +149,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(Tensors& tensors,
     const std::optional<double> premul = premulFactor(opts.reduceOp);
     checkRank("reduce", static_cast<int>(opts.rootRank), getSize(), "root rank");
     const int root = static_cast<int>(opts.rootRank);
-    const CallDescriptor call = callOf("reduce", opts.timeout, &t, -1, static_cast<int>(op), root);
+    const CallDescriptor call = callOf("reduce", Collective::kReduce, opts.timeout, &t, -1, static_cast<int>(op), root);
     return enqueue(call, OpType::REDUCE, tensors,
                    [t, dtype, op, root, premul](Comm& c) {
                      // Only the root's tensor changes; other ranks reduce in a copy.
@@ -172,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
     for (size_t i = 0; i < outputs[0].size(); ++i)
       checkLike("allgather", outputs[0][i], input, input.numel(), "output tensor " + std::to_string(i));
     Tensors outs = outputs[0];
-    const CallDescriptor call = callOf("allgather", opts.timeout, &input);
+    const CallDescriptor call = callOf("allgather", Collective::kAllgather, opts.timeout, &input);
     return enqueue(call, OpType::ALLGATHER, outs,
                    [input, outs](Comm& c) {
                      std::vector<char*> chunks;
@@ -192,7 +192,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     checkTensor("allgather_into_tensor", input);
     checkLike("allgather_into_tensor", output, input, input.numel() * getSize(), "output tensor");
     at::Tensor in = input, out = output;
-    const CallDescriptor call = callOf("allgather_into_tensor", opts.timeout, &input);
+    const CallDescriptor call = callOf("allgather_into_tensor", Collective::kAllgather, opts.timeout, &input);
     return enqueue(call, OpType::_ALLGATHER_BASE, {output},
                    [in, out](Comm& c) {
                      const size_t bytes = in.nbytes();
@@ -228,7 +228,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     std::vector<Tensors> lists = outputLists;
     Tensors ins = inputs;
     const CallDescriptor call =
-        callOf(op, opts.timeout, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs));
+        callOf(op, Collective::kAllgather, opts.timeout, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs));
     return enqueue(call, OpType::ALLGATHER_COALESCED, flatOutputs,
                    [lists, ins](Comm& c) {
                      for (size_t i = 0; i < ins.size(); ++i) {
@@ -256,7 +256,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     }
     Tensors ins = inputs, outs = outputs;
     const CallDescriptor call =
-        callOf(op, opts.timeout, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs));
+        callOf(op, Collective::kAllgather, opts.timeout, inputs.empty() ? nullptr : &inputs[0], totalNumel(inputs));
     return enqueue(call, OpType::COALESCED, outs,
                    [ins, outs](Comm& c) {
                      for (size_t i = 0; i < ins.size(); ++i) {
@@ -280,7 +280,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<Tensors>& 
     checkRank("gather", static_cast<int>(opts.rootRank), getSize(), "root rank");
     const int root = static_cast<int>(opts.rootRank);
     Tensors outs = checkRootList("gather", outputs, input, getRank() == root, getSize(), "output");
-    const CallDescriptor call = callOf("gather", opts.timeout, &input, -1, -1, root);
+    const CallDescriptor call = callOf("gather", Collective::kGather, opts.timeout, &input, -1, -1, root);
     return enqueue(call, OpType::GATHER, outs,
                    [input, outs, root](Comm& c) {
                      std::vector<char*> chunks;
@@ -300,7 +300,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(Tensors& outputs,
     checkRank("scatter", static_cast<int>(opts.rootRank), getSize(), "root rank");
     const int root = static_cast<int>(opts.rootRank);
     Tensors ins = checkRootList("scatter", inputs, output, getRank() == root, getSize(), "input");
-    const CallDescriptor call = callOf("scatter", opts.timeout, &output, -1, -1, root);
+    const CallDescriptor call = callOf("scatter", Collective::kScatter, opts.timeout, &output, -1, -1, root);
     return enqueue(call, OpType::SCATTER, outputs,
                    [output, ins, root](Comm& c) {
                      std::vector<const char*> chunks;
@@ -366,7 +366,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
                 "input tensor " + std::to_string(i));
     // count: the inputs' total, the same on every rank when the shares agree
     const CallDescriptor call =
-        callOf("reduce_scatter", opts.timeout, &output, totalNumel(ins), static_cast<int>(op));
+        callOf("reduce_scatter", Collective::kReduceScatter, opts.timeout, &output, totalNumel(ins), static_cast<int>(op));
     return enqueue(call, OpType::REDUCE_SCATTER, outputs,
                    [ins, output, dtype, op, premul](Comm& c) {
                      reduceScatterInto(c, ins, output, dtype, op, premul);
@@ -386,7 +386,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
     const ReduceOp op = toReduceOp(name, opts.reduceOp, dtype);
     const std::optional<double> premul = premulFactor(opts.reduceOp);
     checkLike(name, in, out, out.numel() * getSize(), "input tensor");
-    const CallDescriptor call = callOf(name, opts.timeout, &out, -1, static_cast<int>(op));
+    const CallDescriptor call = callOf(name, Collective::kReduceScatter, opts.timeout, &out, -1, static_cast<int>(op));
     return enqueue(call, OpType::_REDUCE_SCATTER_BASE, {output},
                    [in, out, dtype, op, premul](Comm& c) {
                      reduceScatterInto(c, equalParts(in, c.size(), out.numel()), out, dtype, op, premul);
@@ -412,7 +412,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     // OpType::COALESCED: REDUCE_SCATTER_TENSOR_COALESCED exists only from torch 2.12 on,
     // and the extension must also build against torch 2.11 (the GPU machine's).
     const CallDescriptor call =
-        callOf(name, opts.timeout, outputs.empty() ? nullptr : &outputs[0], totalNumel(outputs));
+        callOf(name, Collective::kReduceScatter, opts.timeout, outputs.empty() ? nullptr : &outputs[0], totalNumel(outputs));
     return enqueue(call, OpType::COALESCED, outs,
                    [ins, outs, kinds, premul](Comm& c) {
                      for (size_t i = 0; i < ins.size(); ++i)
@@ -450,7 +450,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
       usageError(where(name) + "this rank sends itself " + std::to_string(sendBytes[getRank()]) +
             " bytes but expects " + std::to_string(recvBytes[getRank()]));
     at::Tensor out = output, input_ = input;
-    const CallDescriptor call = callOf("alltoall", opts.timeout, &input, -2);
+    const CallDescriptor call = callOf("alltoall", Collective::kAlltoall, opts.timeout, &input, -2);
     return enqueue(call, OpType::ALLTOALL_BASE, {output},
                    [input_, out, sendOffsets = sendOffsets, sendBytes = sendBytes,
                     recvOffsets = recvOffsets, recvBytes = recvBytes](Comm& c) {
@@ -487,7 +487,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(Tensors& outputs, Te
     if (inputs[getRank()].nbytes() != outputs[getRank()].nbytes())
       usageError(where(name) + "the tensor this rank sends itself differs in size from its output slot");
     Tensors inputs_ = inputs, outs = outputs;
-    const CallDescriptor call = callOf(name, opts.timeout, &inputs[0], -2);
+    const CallDescriptor call = callOf(name, Collective::kAlltoall, opts.timeout, &inputs[0], -2);
     return enqueue(call, OpType::ALLTOALL, outs,
                    [inputs_, outs](Comm& c) {
                      const Tensors ins = readableWhileWriting(inputs_, outs);  // in queue order

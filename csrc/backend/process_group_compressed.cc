@@ -27,8 +27,8 @@ void checkResidual(const char* op, const at::Tensor& residual, const at::Tensor&
 
 // A compressed all-reduce's call: float32, `count` elements, and its codec setting,
 // compared across ranks in the root's place.
-CallDescriptor compressedCall(const char* op, int64_t count, int32_t setting) {
-  CallDescriptor call = describeCall(op, c10d::kUnsetTimeout);
+CallDescriptor compressedCall(const char* op, Collective collective, int64_t count, int32_t setting) {
+  CallDescriptor call = describeCall(op, collective, c10d::kUnsetTimeout);
   call.dtype = static_cast<int32_t>(DataType::kFloat32);
   call.count = count;
   call.root = setting;
@@ -75,7 +75,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
   } catch (const Error& e) {
     usageError(e.what());
   }
-  return enqueue(compressedCall(op, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)),
+  return enqueue(compressedCall(op, Collective::kAllreduceQuantized, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)),
                  c10d::OpType::ALLREDUCE, {tensor},
                  [tensor, residual, lengths, segmentKeys, opts](Comm& c) {
                    c.setAlgorithm(strCat(opts.bits, "-bit"));
@@ -119,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
   } catch (const Error& e) {
     usageError(e.what());
   }
-  return enqueue(compressedCall(op, out.numel(), static_cast<int32_t>(opts.valueType)),
+  return enqueue(compressedCall(op, Collective::kAllreduceSparse, out.numel(), static_cast<int32_t>(opts.valueType)),
                  c10d::OpType::ALLREDUCE, {out},
                  [indices, values, out, residual, lengths, opts](Comm& c) {
                    c.setAlgorithm("sparse");

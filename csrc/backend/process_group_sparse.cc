@@ -71,7 +71,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
   }
 
   at::Tensor tensor = t;
-  CallDescriptor call = describeCall(name, opts.timeout);
+  CallDescriptor call = describeCall(name, Collective::kAllreduceCoo, opts.timeout);
   call.comparedAs = "allreduce (sparse)";  // never the same call as a dense all-reduce
   call.dtype = static_cast<int32_t>(dtype);
   call.count = t.numel();

@@ -82,7 +82,7 @@ std::exception_ptr ProcessGroupPycomm::runTask(Task& task, bool inline_) {
       comm_->begin(task.call);
       // Not before a monitored barrier: the check would wait for the very ranks it is
       // to name, and time out without naming them.
-      if (config_.checkCalls && comm_->size() > 1 && std::strcmp(task.call.op, kMonitoredBarrier) != 0)
+      if (config_.checkCalls && comm_->size() > 1 && task.call.collective != Collective::kMonitoredBarrier)
         checkSameCall(*comm_, task.call);
       comm_->setCall(callHash(task.call));  // after the check, which names both calls
       if (task.beforeBody) task.beforeBody();
@@ -134,7 +134,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(CallDescriptor call, 
   call.bytes = 0;
   for (const auto& t : outputs) call.bytes += heldBytes(t);
   call.timeout = effectiveTimeout(call.timeout);
-  const bool sparse = !outputs.empty() && outputs[0].defined() && outputs[0].is_sparse();
   // The profiling title goes to our own event (recordProfile), not c10d::Work's.
   c10::intrusive_ptr<PycommWork> work;
   const bool profiling = PycommWork::profilerActive();
@@ -151,7 +150,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(CallDescriptor call, 
         {{"op", c10::IValue(std::string(call.op))},
          {"bytes", c10::IValue(static_cast<int64_t>(call.bytes))},
          {"dtype", c10::IValue(std::string(call.dtypeName()))},
-         {"algorithm", c10::IValue(sparse ? std::string("coo") : expectedAlgorithm(call.op, call.bytes))},
+         {"algorithm", c10::IValue(expectedAlgorithm(call))},
          {"seq", c10::IValue(static_cast<int64_t>(sequence_.load()))},
          {"group_size", c10::IValue(static_cast<int64_t>(getSize()))},
          {"async_op", c10::IValue(asyncOp)}});

@@ -21,9 +21,18 @@ inline std::string errorPrefix(const std::string& op, const std::string& algorit
   return algorithm.empty() ? "pycomm " + op : "pycomm " + op + " (" + algorithm + ")";
 }
 
+// What a call does, whatever its entry point: the planner's input (algorithms/plan.h)
+// and what each shared-memory step posts (arenaCall, algorithms/comm.h), which is why
+// kAllreduce..kBarrier keep the values 1-8.
+enum class Collective : uint8_t {
+  kAllreduce = 1, kBroadcast, kAllgather, kReduceScatter, kGather, kScatter, kAlltoall, kBarrier,
+  kReduce, kMonitoredBarrier, kAllreduceQuantized, kAllreduceSparse, kAllreduceCoo,
+};
+
 struct CallDescriptor {
   // The entry point ("allreduce_coalesced"): errors, stats, the flight recorder, the profiler.
   const char* op = "";
+  Collective collective = Collective::kBarrier;
   // The name ranks compare (call check, call hash) where it is not `op`: a sparse
   // all-reduce is "allreduce (sparse)", so that it never matches a dense one.
   const char* comparedAs = nullptr;
@@ -40,10 +49,11 @@ struct CallDescriptor {
   const char* dtypeName() const { return dtype >= 0 ? dataTypeName(static_cast<DataType>(dtype)) : ""; }
 };
 
-// A call that has only an op (barriers).
-inline CallDescriptor describeCall(const char* op, std::chrono::milliseconds timeout) {
+// A call with only its op and collective so far (a barrier has nothing more).
+inline CallDescriptor describeCall(const char* op, Collective collective, std::chrono::milliseconds timeout) {
   CallDescriptor call;
   call.op = op;
+  call.collective = collective;
   call.timeout = timeout;
   return call;
 }
