@@ -164,15 +164,6 @@ std::string joinedNames() {
 
 }  // namespace
 
-Topology topologyOf(const Comm& comm) {
-  Topology t;
-  t.ranks = comm.size();
-  t.hosts = static_cast<int>(comm.hostLeaders().size());
-  t.oneHost = comm.size() == 1 || (comm.arena() != nullptr && comm.arena()->localSize() == comm.size());
-  t.cost = comm.costModel();
-  return t;
-}
-
 const std::vector<AllreduceAlgorithm>& allreduceAlgorithms() {
   static const std::vector<AllreduceAlgorithm> table = {
       {"ring", always, "", ringCost, allreduceRing},
@@ -239,17 +230,15 @@ std::vector<std::pair<std::string, double>> allreduceCosts(size_t bytes, const T
   return costs;
 }
 
-const AllreduceAlgorithm& resolveAllreduceAlgorithm(const AllreduceAlgorithm* setting, size_t bytes,
-                                                    const Topology& topology) {
-  if (setting == nullptr) return chooseAllreduceAlgorithm(bytes, topology);
-  checkFits(*setting, topology);
-  return *setting;
+const AllreduceAlgorithm& planAllreduce(const AllreduceAlgorithm* setting, size_t bytes,
+                                        const Topology& topology) {
+  return setting != nullptr ? *setting : chooseAllreduceAlgorithm(bytes, topology);
 }
 
 const AllreduceAlgorithm& allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
                                     const AllreduceAlgorithm* setting) {
   const size_t bytes = count * elementSize(dtype);
-  const AllreduceAlgorithm& algorithm = resolveAllreduceAlgorithm(setting, bytes, topologyOf(comm));
+  const AllreduceAlgorithm& algorithm = planAllreduce(setting, bytes, comm.topology());
   if (debugEnabled())
     debugLog(strCat(comm.opName(), " ", bytes, " B on ", comm.size(), " ranks: ", algorithm.name));
   comm.setAlgorithm(algorithm.name);

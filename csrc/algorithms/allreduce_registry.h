@@ -6,7 +6,8 @@
 // from here (pycomm._C.allreduce_algorithms()).
 //
 // Adding an algorithm: its file (allreduce_<name>.cc, declared in collectives.h)
-// and one entry in the table. Nothing else lists algorithm names.
+// and one entry in the table. Nothing else lists algorithm names; plan.h decides
+// which one a call runs.
 #pragma once
 
 #include <cstddef>
@@ -15,30 +16,13 @@
 #include <vector>
 
 #include "algorithms/comm.h"
+#include "algorithms/topology.h"
 #include "common/cost_model.h"
 #include "common/dtype.h"
 #include "common/reduce_op.h"
 
 namespace pycomm {
 
-// The shape of a group as the algorithms see it, and what its links cost.
-struct Topology {
-  int ranks = 1;
-  // Hosts the group spans, one entry per host leader (0: unknown, e.g. with
-  // PYCOMM_TRANSPORT=tcp, where every rank counts as a host of its own).
-  int hosts = 0;
-  // Every rank shares the node-local shared-memory arena (true for one rank).
-  bool oneHost = false;
-  // The constants of the cost model (the group's; the built-in defaults otherwise).
-  CostModel cost;
-  // Ranks per CPU core on the most loaded machine: above 1, the CPU-bound terms of
-  // every rank add up and scale by it (e.g. 8 namespace "hosts" on 2 cores: 4).
-  double oversubscription = 1.0;
-  // Whether a host's link limits what it receives as well as what it sends (a real
-  // NIC); false for tc tbf on each host's egress only (pycomm/netns.py).
-  bool ingressLimited = true;
-};
-Topology topologyOf(const Comm& comm);
 
 struct AllreduceAlgorithm {
   const char* name;
@@ -75,12 +59,13 @@ const AllreduceAlgorithm& chooseAllreduceAlgorithm(size_t bytes, const Topology&
 // Every entry that fits `topology`, with its predicted seconds for `bytes` (the
 // planner's view of what `auto` compares), in table order.
 std::vector<std::pair<std::string, double>> allreduceCosts(size_t bytes, const Topology& topology);
-// What a setting runs for `bytes` on `topology`: the fixed entry (checked to fit)
-// or auto's choice.
-const AllreduceAlgorithm& resolveAllreduceAlgorithm(const AllreduceAlgorithm* setting, size_t bytes,
-                                                    const Topology& topology);
+// What a setting runs for `bytes` on `topology`: the fixed entry, or auto's choice
+// (nullptr). A fixed entry was checked to fit when it was set (checkFits: the
+// process group's PYCOMM_ALGO and set_algorithm), since a group's topology is fixed.
+const AllreduceAlgorithm& planAllreduce(const AllreduceAlgorithm* setting, size_t bytes,
+                                        const Topology& topology);
 
-// All-reduce in place with the algorithm `setting` resolves to (nullptr: auto);
+// All-reduce in place with the algorithm planAllreduce names for it (nullptr: auto);
 // finishes AVG (SUM, then one division). Returns the entry that ran.
 const AllreduceAlgorithm& allreduce(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp op,
                                     const AllreduceAlgorithm* setting);

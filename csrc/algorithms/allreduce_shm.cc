@@ -44,7 +44,7 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
   const int depth = arena.depth();
   char* data = static_cast<char*>(buf);
   uint64_t bytesIn = 0, bytesOut = 0;
-  const ShmArena::Call call = arenaCall(ArenaOp::kAllreduce, count * elem, dtype, op);
+  const ShmArena::Call call = arenaCall(Collective::kAllreduce, count * elem, dtype, op);
   if (count == 0) {  // one step without data, to meet the others' calls
     const uint64_t g = arena.nextSegment();
     if (g >= static_cast<uint64_t>(depth)) comm.waitArenaAll(ShmArena::kConsumed, g - depth + 1);

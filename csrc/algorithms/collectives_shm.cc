@@ -97,7 +97,7 @@ size_t sum(const std::vector<size_t>& values) {
 }  // namespace
 
 void broadcastShm(Comm& comm, void* buf, size_t bytes, int root) {
-  Steps steps(comm, arenaCall(ArenaOp::kBroadcast, bytes, root));
+  Steps steps(comm, arenaCall(Collective::kBroadcast, bytes, root));
   char* data = static_cast<char*>(buf);
   const size_t rounds = atLeastOneStep(bytes, steps.slotBytes());
   for (size_t s = 0; s < rounds; ++s) {
@@ -112,7 +112,7 @@ void broadcastShm(Comm& comm, void* buf, size_t bytes, int root) {
 }
 
 void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& bytes) {
-  Steps steps(comm, arenaCall(ArenaOp::kAllgather, sum(bytes)));
+  Steps steps(comm, arenaCall(Collective::kAllgather, sum(bytes)));
   const int n = steps.size();
   const int me = steps.rank();
   const size_t unit = steps.slotBytes();
@@ -133,7 +133,7 @@ void allgatherShm(Comm& comm, const std::vector<char*>& chunks, const std::vecto
 
 void reduceScatterShm(Comm& comm, const std::vector<char*>& chunks, const std::vector<size_t>& counts,
                       DataType dtype, ReduceOp op) {
-  Steps steps(comm, arenaCall(ArenaOp::kReduceScatter, sum(counts) * elementSize(dtype), dtype, op));
+  Steps steps(comm, arenaCall(Collective::kReduceScatter, sum(counts) * elementSize(dtype), dtype, op));
   const int n = steps.size();
   const int me = steps.rank();
   const size_t elem = elementSize(dtype);
@@ -160,7 +160,7 @@ void reduceScatterShm(Comm& comm, const std::vector<char*>& chunks, const std::v
 
 void gatherShm(Comm& comm, const void* input, size_t bytes, const std::vector<char*>& outputs,
                int root) {
-  Steps steps(comm, arenaCall(ArenaOp::kGather, bytes, root));
+  Steps steps(comm, arenaCall(Collective::kGather, bytes, root));
   const int n = steps.size();
   const int me = steps.rank();
   const char* in = static_cast<const char*>(input);
@@ -182,7 +182,7 @@ void gatherShm(Comm& comm, const void* input, size_t bytes, const std::vector<ch
 
 void scatterShm(Comm& comm, const std::vector<const char*>& inputs, void* output, size_t bytes,
                 int root) {
-  Steps steps(comm, arenaCall(ArenaOp::kScatter, bytes, root));
+  Steps steps(comm, arenaCall(Collective::kScatter, bytes, root));
   const int n = steps.size();
   const int me = steps.rank();
   char* out = static_cast<char*>(output);
@@ -206,7 +206,7 @@ void scatterShm(Comm& comm, const std::vector<const char*>& inputs, void* output
 void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::vector<size_t>& sendBytes,
                  const std::vector<char*>& recvs, const std::vector<size_t>& recvBytes) {
   // Ranks send different sizes: the call carries none, the table below checks them.
-  Steps steps(comm, arenaCall(ArenaOp::kAlltoall, 0));
+  Steps steps(comm, arenaCall(Collective::kAlltoall, 0));
   const int n = steps.size();
   const int me = steps.rank();
   const size_t sub = steps.subSlotBytes();
@@ -247,7 +247,7 @@ void alltoallShm(Comm& comm, const std::vector<const char*>& sends, const std::v
 }
 
 void barrierShm(Comm& comm) {
-  Steps steps(comm, arenaCall(ArenaOp::kBarrier, 0));
+  Steps steps(comm, arenaCall(Collective::kBarrier, 0));
   steps.begin();
   steps.post();
   for (int j = 0; j < steps.size(); ++j)

@@ -21,6 +21,14 @@ void Comm::begin(const std::string& op, std::chrono::milliseconds timeout) {
   begin(op);
 }
 
+void Comm::refreshTopology() {
+  topology_ = Topology();
+  topology_.ranks = size();
+  topology_.hosts = static_cast<int>(hostLeaders_.size());
+  topology_.oneHost = size() == 1 || (arena_ != nullptr && arena_->localSize() == size());
+  topology_.cost = costModel_;
+}
+
 Comm& Comm::leaderComm() {
   if (!leaderComm_) {
     leaderView_ = std::make_unique<SubTransport>(transport_, hostLeaders_);
@@ -38,10 +46,6 @@ void Comm::beginWithin(const Comm& outer, const std::string& algorithm) {
   timeout_ = outer.timeout_;
   start_ = outer.start_;
   deadline_ = outer.deadline_;
-}
-
-std::string Comm::prefix() const {
-  return algorithm_.empty() ? strCat("pycomm ", op_) : strCat("pycomm ", op_, " (", algorithm_, ")");
 }
 
 void Comm::letGo(const std::string& reason) const {
@@ -72,14 +76,14 @@ constexpr uint64_t kNoField = 0;
 
 const char* arenaOpName(uint64_t op) {
   switch (op) {
-    case static_cast<uint64_t>(ArenaOp::kAllreduce): return "allreduce";
-    case static_cast<uint64_t>(ArenaOp::kBroadcast): return "broadcast";
-    case static_cast<uint64_t>(ArenaOp::kAllgather): return "allgather";
-    case static_cast<uint64_t>(ArenaOp::kReduceScatter): return "reduce_scatter";
-    case static_cast<uint64_t>(ArenaOp::kGather): return "gather";
-    case static_cast<uint64_t>(ArenaOp::kScatter): return "scatter";
-    case static_cast<uint64_t>(ArenaOp::kAlltoall): return "alltoall";
-    case static_cast<uint64_t>(ArenaOp::kBarrier): return "barrier";
+    case static_cast<uint64_t>(Collective::kAllreduce): return "allreduce";
+    case static_cast<uint64_t>(Collective::kBroadcast): return "broadcast";
+    case static_cast<uint64_t>(Collective::kAllgather): return "allgather";
+    case static_cast<uint64_t>(Collective::kReduceScatter): return "reduce_scatter";
+    case static_cast<uint64_t>(Collective::kGather): return "gather";
+    case static_cast<uint64_t>(Collective::kScatter): return "scatter";
+    case static_cast<uint64_t>(Collective::kAlltoall): return "alltoall";
+    case static_cast<uint64_t>(Collective::kBarrier): return "barrier";
   }
   return "an unknown collective";
 }
@@ -110,11 +114,11 @@ std::string callMismatch(const std::string& peer, const ShmArena::Call& theirs, 
 
 }  // namespace
 
-ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, int root) {
+ShmArena::Call arenaCall(Collective op, uint64_t bytes, int root) {
   return {bytes, static_cast<uint64_t>(op) | static_cast<uint64_t>(static_cast<uint32_t>(root + 1)) << 32};
 }
 
-ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, DataType dtype, ReduceOp reduce) {
+ShmArena::Call arenaCall(Collective op, uint64_t bytes, DataType dtype, ReduceOp reduce) {
   return {bytes, static_cast<uint64_t>(op) | (static_cast<uint64_t>(dtype) + 1) << 8 |
                      (static_cast<uint64_t>(reduce) + 1) << 16};
 }

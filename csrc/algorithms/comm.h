@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "algorithms/topology.h"
+#include "common/call.h"
 #include "common/cost_model.h"
 #include "common/dtype.h"
 #include "common/error.h"
@@ -27,7 +29,9 @@ constexpr uint64_t kCollectiveTagBit = 1ull << 63;
 class Comm {
  public:
   Comm(Transport& transport, std::chrono::milliseconds timeout, size_t segmentBytes)
-      : transport_(transport), timeout_(timeout), segmentBytes_(segmentBytes) {}
+      : transport_(transport), timeout_(timeout), segmentBytes_(segmentBytes) {
+    refreshTopology();
+  }
 
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
@@ -42,6 +46,8 @@ class Comm {
   void begin(const std::string& op, const std::string& algorithm = "");
   // As above with a per-op timeout (torch's per-call options).
   void begin(const std::string& op, std::chrono::milliseconds timeout);
+  // Starts the collective `call` describes (its op and timeout).
+  void begin(const CallDescriptor& call) { begin(call.op, call.timeout); }
   void setAlgorithm(const std::string& algorithm) { algorithm_ = algorithm; }
   // Puts `hash` (of the call: collective, dtype, reduce op, root) into the current
   // collective's tag (transport.h, kCallTagMask): a peer in another call at this
@@ -52,15 +58,21 @@ class Comm {
   }
   // The cost model `auto` uses on this group (common/cost_model.h).
   const CostModel& costModel() const { return costModel_; }
-  void setCostModel(const CostModel& model) { costModel_ = model; }
+  void setCostModel(const CostModel& model) {
+    costModel_ = model;
+    refreshTopology();
+  }
+  // The group's shape (ranks, hosts, one host, cost model), computed once from the
+  // setters above rather than on every call.
+  const Topology& topology() const { return topology_; }
   // Starts a collective that is part of `outer`'s (a sub-group's share of it):
   // same op, tag, timeout and deadline.
   void beginWithin(const Comm& outer, const std::string& algorithm);
   const std::string& opName() const { return op_; }
   // The algorithm the current collective runs ("" before it chose one).
   const std::string& algorithmName() const { return algorithm_; }
-  // "pycomm <op> (<algorithm>)": the one place runtime errors get their prefix.
-  std::string prefix() const;
+  // "pycomm <op> (<algorithm>)" (errorPrefix, common/call.h): runtime errors' prefix.
+  std::string prefix() const { return errorPrefix(op_, algorithm_); }
   // Throws an Error of `kind`: prefix() + ": " + the arguments, which are also
   // its detail() (what an aborting rank tells its peers, without the prefix).
   // A runtime failure (any kind but kUsage) first makes the transport and the
@@ -68,10 +80,9 @@ class Comm {
   // free what their receives were posted into.
   template <typename... Args>
   [[noreturn]] void fail(ErrorKind kind, Args&&... args) const {
-    std::string detail = strCat(std::forward<Args>(args)...);
-    std::string message = strCat(prefix(), ": ", detail);  // before detail is moved from
+    const std::string detail = strCat(std::forward<Args>(args)...);
     if (kind != ErrorKind::kUsage) letGo(detail);
-    throw Error(kind, message, std::move(detail));
+    throw Error(kind, prefix(), detail);
   }
   // Aborts the transport and the arena with `reason` (idempotent; the first
   // reason is the one peers are told). After it no request of this group is
@@ -100,11 +111,17 @@ class Comm {
   // The node-local shared-memory arena, when the group has one (ranks that
   // share a host); shm-native algorithms use it, the others ignore it.
   ShmArena* arena() const { return arena_; }
-  void setArena(ShmArena* arena) { arena_ = arena; }
+  void setArena(ShmArena* arena) {
+    arena_ = arena;
+    refreshTopology();
+  }
   // The lowest rank on each host, ascending (empty when unknown). With the
   // arena it gives the hierarchical all-reduce its two levels.
   const std::vector<int>& hostLeaders() const { return hostLeaders_; }
-  void setHostLeaders(std::vector<int> leaders) { hostLeaders_ = std::move(leaders); }
+  void setHostLeaders(std::vector<int> leaders) {
+    hostLeaders_ = std::move(leaders);
+    refreshTopology();
+  }
   // The host leaders as a group of their own (a SubTransport view of this
   // transport), for a rank among them; kept across calls, so its scratch
   // buffers persist and outlive any receive still posted into them.
@@ -125,6 +142,8 @@ class Comm {
   char* scratch(int slot, size_t bytes);
 
  private:
+  void refreshTopology();
+
   Transport& transport_;
   std::chrono::milliseconds timeout_;
   const size_t segmentBytes_;
@@ -135,6 +154,7 @@ class Comm {
   std::string op_;
   std::string algorithm_;
   CostModel costModel_;
+  Topology topology_;
   ShmArena* arena_ = nullptr;
   std::vector<int> hostLeaders_;
   std::unique_ptr<Transport> leaderView_;
@@ -144,14 +164,11 @@ class Comm {
   char creditByte_ = 0;  // where 0-byte credits point; nothing is ever written to it
 };
 
-// What an arena collective posts with each step (ShmArena::Call): the
-// collective, the bytes every rank must agree on, and where they matter the
-// dtype, reduce op and root.
-enum class ArenaOp : uint8_t {
-  kAllreduce = 1, kBroadcast, kAllgather, kReduceScatter, kGather, kScatter, kAlltoall, kBarrier
-};
-ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, int root = -1);
-ShmArena::Call arenaCall(ArenaOp op, uint64_t bytes, DataType dtype, ReduceOp reduce);
+// What an arena collective posts with each step (ShmArena::Call): the collective
+// (kAllreduce..kBarrier), the bytes every rank must agree on, and where they matter
+// the dtype, reduce op and root (backend/call_check.h: why this check is per step).
+ShmArena::Call arenaCall(Collective op, uint64_t bytes, int root = -1);
+ShmArena::Call arenaCall(Collective op, uint64_t bytes, DataType dtype, ReduceOp reduce);
 
 // Splits `count` elements into `parts` near-equal chunks; returns the n+1 offsets.
 std::vector<size_t> balancedOffsets(size_t count, int parts);

@@ -50,16 +50,15 @@ FlightRecorder::FlightRecorder(size_t capacity)
                     steadyUs(std::chrono::steady_clock::now())),
       ring_(std::max<size_t>(capacity, 1)) {}
 
-void FlightRecorder::queued(uint64_t seq, const char* op, const char* dtype, uint64_t bytes,
-                            TimePoint when) {
+void FlightRecorder::queued(uint64_t seq, const CallDescriptor& call, TimePoint when) {
   const int64_t now = steadyUs(when);
   std::lock_guard<std::mutex> lock(mutex_);
   CallRecord& r = ring_[seq % ring_.size()];
   r.seq = seq;
-  copyName(r.op, op);
-  copyName(r.dtype, dtype);
+  copyName(r.op, call.op);
+  copyName(r.dtype, call.dtypeName());
   r.algorithm[0] = '\0';
-  r.bytes = bytes;
+  r.bytes = call.bytes;
   r.state = CallState::kQueued;
   r.queuedUs = now;
   r.startedUs = 0;

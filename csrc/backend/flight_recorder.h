@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "common/call.h"
+
 namespace pycomm {
 
 enum class CallState : uint8_t { kQueued = 0, kStarted = 1, kCompleted = 2, kFailed = 3 };
@@ -45,7 +47,8 @@ class FlightRecorder {
   // State changes of call `seq`; started/finished are ignored when the call's entry
   // was already overwritten (more than capacity() calls queued behind it).
   using TimePoint = std::chrono::steady_clock::time_point;
-  void queued(uint64_t seq, const char* op, const char* dtype, uint64_t bytes, TimePoint now);
+  // `call`: its op, dtype and bytes (common/call.h).
+  void queued(uint64_t seq, const CallDescriptor& call, TimePoint now);
   void started(uint64_t seq, TimePoint now);
   void finished(uint64_t seq, const std::string& algorithm, bool failed, TimePoint now);
   // The recorded calls, oldest first.

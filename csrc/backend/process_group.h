@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "algorithms/collectives.h"
+#include "algorithms/plan.h"
+#include "backend/call_check.h"
 #include "backend/completion_pool.h"
 #include "backend/device_seam.h"
 #include "backend/flight_recorder.h"
@@ -31,18 +33,6 @@
 #include "transport/transport.h"
 
 namespace pycomm {
-
-// What one rank called, exchanged before each collective when checking is on
-// (PYCOMM_CHECK=1 or TORCH_DISTRIBUTED_DEBUG=DETAIL) so a mismatch between ranks
-// fails clearly instead of producing a wrong result.
-struct CallSignature {
-  char op[40] = {};
-  int32_t dtype = -1;     // DataType, -1 when not compared
-  int32_t reduceOp = -1;  // ReduceOp, -1 when not compared
-  int64_t count = -1;     // elements this rank contributes, -1 when not compared
-  int32_t root = -1;
-  int32_t reserved = 0;
-};
 
 // The op name of dist.monitored_barrier's calls (errors, stats, the flight recorder).
 constexpr const char* kMonitoredBarrier = "monitored_barrier";
@@ -166,30 +156,30 @@ class ProcessGroupPycomm : public c10d::Backend {
   // blocking call with nothing queued; the returned work completes with `outputs`.
   // An inline call with `launch.workOptional` returns no work (nullptr), unless
   // the profiler records or torch registers in-flight works (a failure throws).
-  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+  // (work_queue.cc) `call`: the entry point's description (common/call.h), whose
+  // bytes (of `outputs`) and timeout (the group's if unset) enqueue fills in.
+  c10::intrusive_ptr<c10d::Work> enqueue(CallDescriptor call, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         std::chrono::milliseconds timeout, const Launch& launch,
-                                         CallSignature signature);
-  // Compares this call's signature with every rank's; throws naming the ranks that differ.
-  void checkSameCall(Comm& comm, const CallSignature& mine);
+                                         const Launch& launch);
   void workerLoop();
   void stopWorker();
   std::chrono::milliseconds effectiveTimeout(std::chrono::milliseconds requested) const;
   c10::intrusive_ptr<c10d::Work> pointToPoint(const char* op, c10d::OpType type,
                                               std::vector<at::Tensor>& tensors, int peer, int tag,
                                               bool isSend);
-  void start();
+  // Starts the worker with the all-reduce `setting` (PYCOMM_ALGO, found by the constructor).
+  void start(const AllreduceAlgorithm* setting);
+  // Makes `setting` the group's all-reduce algorithm after checking that it fits the
+  // group (the one check: the run trusts it, as the group's topology never changes).
+  void applySetting(const AllreduceAlgorithm* setting);
 
   struct Task {
-    std::string op;
+    CallDescriptor call;
     std::function<void()> beforeBody;  // a device seam's step (empty: none)
     Body body;
     std::function<void()> afterBody;   // a device seam's step after a body that succeeded
     c10::intrusive_ptr<PycommWork> work;
-    std::chrono::milliseconds timeout;
-    CallSignature signature;
-    uint64_t seq = 0;    // the group's sequence number of this call
-    uint64_t bytes = 0;  // bytes of its output tensors
+    uint64_t seq = 0;  // the group's sequence number of this call
   };
   // Runs one task to completion: on the worker thread, whose Future completions
   // (and their callbacks) go to completions_, or inline on a blocking caller,
@@ -198,7 +188,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::exception_ptr runTask(Task& task, bool inline_);
   // The algorithm `op` on `bytes` is expected to run (for the profiler, which
   // needs it when the call is made; the flight recorder keeps what did run).
-  std::string expectedAlgorithm(const std::string& op, uint64_t bytes) const;
+  std::string expectedAlgorithm(const CallDescriptor& call) const;
   // After a runtime failure of call `seq`: publishes this rank's progress in the
   // store and, when `compare`, waits briefly for the peers' and returns the
   // verdict (flight_recorder.h compareProgress; "" without one). Bounded: a store

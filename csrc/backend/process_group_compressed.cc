@@ -25,13 +25,14 @@ void checkResidual(const char* op, const at::Tensor& residual, const at::Tensor&
     usageError(where(op) + "residual must not share memory with the data");
 }
 
-CallSignature compressedSignature(const char* op, int64_t count, int32_t detail) {
-  CallSignature sig;
-  std::strncpy(sig.op, op, sizeof(sig.op) - 1);
-  sig.dtype = static_cast<int32_t>(DataType::kFloat32);
-  sig.count = count;
-  sig.root = detail;  // the codec setting, compared across ranks like a root
-  return sig;
+// A compressed all-reduce's call: float32, `count` elements, and its codec setting,
+// compared across ranks in the root's place.
+CallDescriptor compressedCall(const char* op, Collective collective, int64_t count, int32_t setting) {
+  CallDescriptor call = describeCall(op, collective, c10d::kUnsetTimeout);
+  call.dtype = static_cast<int32_t>(DataType::kFloat32);
+  call.count = count;
+  call.root = setting;
+  return call;
 }
 
 float* dataOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
@@ -74,14 +75,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceQuantizedTensor(
   } catch (const Error& e) {
     usageError(e.what());
   }
-  return enqueue(op, c10d::OpType::ALLREDUCE, {tensor},
+  return enqueue(compressedCall(op, Collective::kAllreduceQuantized, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)),
+                 c10d::OpType::ALLREDUCE, {tensor},
                  [tensor, residual, lengths, segmentKeys, opts](Comm& c) {
                    c.setAlgorithm(strCat(opts.bits, "-bit"));
                    allreduceQuantized(c, tensor.data_ptr<float>(), static_cast<size_t>(tensor.numel()),
                                       lengths, segmentKeys, opts, dataOrNull(residual));
                  },
-                 c10d::kUnsetTimeout, Launch{asyncOp, {}},
-                 compressedSignature(op, tensor.numel(), bits * 1000 + (stochastic ? 1 : 0)));
+                 Launch{asyncOp, {}});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
@@ -118,7 +119,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
   } catch (const Error& e) {
     usageError(e.what());
   }
-  return enqueue(op, c10d::OpType::ALLREDUCE, {out},
+  return enqueue(compressedCall(op, Collective::kAllreduceSparse, out.numel(), static_cast<int32_t>(opts.valueType)),
+                 c10d::OpType::ALLREDUCE, {out},
                  [indices, values, out, residual, lengths, opts](Comm& c) {
                    c.setAlgorithm("sparse");
                    allreduceSparse(c, indices.data_ptr<int64_t>(), values.data_ptr<float>(),
@@ -126,8 +128,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceSparseTensor(
                                    static_cast<size_t>(out.numel()), lengths, out.data_ptr<float>(),
                                    dataOrNull(residual), opts);
                  },
-                 c10d::kUnsetTimeout, Launch{asyncOp, {}},
-                 compressedSignature(op, out.numel(), static_cast<int32_t>(opts.valueType)));
+                 Launch{asyncOp, {}});
 }
 
 }  // namespace pycomm

@@ -71,12 +71,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
   }
 
   at::Tensor tensor = t;
-  CallSignature sig;
-  std::strncpy(sig.op, "allreduce (sparse)", sizeof(sig.op) - 1);
-  sig.dtype = static_cast<int32_t>(dtype);
-  sig.count = t.numel();
-  sig.reduceOp = static_cast<int>(op);
-  return enqueue(name, c10d::OpType::ALLREDUCE, tensors,
+  CallDescriptor call = describeCall(name, Collective::kAllreduceCoo, opts.timeout);
+  call.comparedAs = "allreduce (sparse)";  // never the same call as a dense all-reduce
+  call.dtype = static_cast<int32_t>(dtype);
+  call.count = t.numel();
+  call.reduceOp = static_cast<int>(op);
+  return enqueue(call, c10d::OpType::ALLREDUCE, tensors,
                  [tensor, values, rows, rowCount, rowElems, sizes, sparseDim, dtype, op, shape, premul](Comm& c) {
                    at::Tensor outRows, outValues;
                    const auto valueShape = at::IntArrayRef(sizes).slice(static_cast<size_t>(sparseDim));
@@ -111,7 +111,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduceCoo(std::vector<at::
                    at::sparse::get_sparse_impl(tensor)->set_indices_and_values_unsafe(outIndices, outValues);
                    at::sparse::get_sparse_impl(tensor)->set_coalesced(true);
                  },
-                 opts.timeout, launch, sig);
+                 launch);
 }
 
 }  // namespace pycomm

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/call.h"
 #include "common/error.h"
 
 namespace pycomm {
@@ -10,7 +11,7 @@ void usageError(const std::string& message) { C10_THROW_ERROR(ValueError, messag
 
 void typeError(const std::string& message) { C10_THROW_ERROR(TypeError, message); }
 
-std::string where(const char* op) { return std::string("pycomm ") + op + ": "; }
+std::string where(const char* op) { return errorPrefix(op) + ": "; }
 
 DataType toDataType(const char* op, at::ScalarType type) {
   switch (type) {

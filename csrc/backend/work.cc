@@ -6,6 +6,8 @@
 
 #include <cstdio>
 
+#include "common/call.h"
+
 namespace pycomm {
 
 std::string GroupState::fail(const std::string& message, const std::string& reason) {
@@ -102,7 +104,7 @@ void PointToPointWork::attach(const RequestPtr& request, CompletionPool::Poster 
     if (request->failed()) {
       // Transport errors come without an op prefix (a group's abort passes on
       // Error::detail()): this op names itself.
-      error = makeBackendError("pycomm " + op + ": " + request->error());
+      error = makeBackendError(errorPrefix(op) + ": " + request->error());
     } else {
       self->sourceRank_ = request->sourceRank();
     }
@@ -142,11 +144,11 @@ bool PointToPointWork::wait(std::chrono::milliseconds timeout) {
     const std::string who = peer_ == kAnySource ? std::string("any rank")
                                                 : group_->transport().rankName(peer_);
     if (userDeadline) {
-      C10_THROW_ERROR(DistBackendError, "pycomm " + opName_ + ": wait() timed out waiting for " + who);
+      C10_THROW_ERROR(DistBackendError, errorPrefix(opName_) + ": wait() timed out waiting for " + who);
     }
     const std::string detail = c10::str(group_->transport().rankName(group_->transport().rank()),
                                         " timed out after ", seconds, " s waiting for ", who);
-    group_->fail(c10::str("pycomm ", opName_, ": ", detail), detail);
+    group_->fail(errorPrefix(opName_) + ": " + detail, detail);
   }
   const bool done = c10d::Work::wait(kNoTimeout);  // throws the work's error
   // Done: complete the future here unless the pool already has, so its value is

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <cstddef>
 #include <utility>
 
 namespace pycomm {
@@ -16,16 +17,21 @@ enum class ErrorKind { kUsage, kTimeout, kConnection, kInternal };
 
 class Error : public std::runtime_error {
  public:
-  // `detail`: the message without its "pycomm <op> (<algorithm>): " prefix (empty
-  // when there is none), e.g. what an aborting rank tells its peers.
-  Error(ErrorKind kind, const std::string& message, std::string detail = "")
-      : std::runtime_error(message), kind_(kind), detail_(std::move(detail)) {}
+  // An error without a prefix: its detail is the whole message.
+  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+  // "<prefix>: <detail>", with the prefix from errorPrefix() (common/call.h), e.g.
+  // "pycomm allreduce (ring)"; the detail is what an aborting rank tells its peers.
+  // The text is stored once; prefix() and detail() are its two parts.
+  Error(ErrorKind kind, const std::string& prefix, const std::string& detail)
+      : std::runtime_error(prefix.empty() ? detail : prefix + ": " + detail), kind_(kind),
+        prefixLength_(prefix.size()) {}
   ErrorKind kind() const { return kind_; }
-  const char* detail() const { return detail_.empty() ? what() : detail_.c_str(); }
+  std::string prefix() const { return std::string(what(), prefixLength_); }
+  const char* detail() const { return prefixLength_ == 0 ? what() : what() + prefixLength_ + 2; }
 
  private:
   ErrorKind kind_;
-  std::string detail_;
+  size_t prefixLength_ = 0;  // 0: no prefix
 };
 
 // Concatenates anything streamable into one string.
