@@ -52,6 +52,10 @@ PYCOMM_SOCKETS_PER_PEER auto     TCP streams per pair of ranks (1..16): a messag
 PYCOMM_IO_THREADS      auto       epoll threads driving the TCP streams (1..16, at
                                   most one per stream). auto: one per stream, up to
                                   half the CPUs
+PYCOMM_AUTOLOAD        1          0 skips the backend's registration at import
+                                  torch (read by pycomm_autoload, not here; torch's
+                                  TORCH_DEVICE_BACKEND_AUTOLOAD=0 skips every
+                                  autoloaded backend); `import pycomm` registers it
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -62,7 +66,7 @@ the rendezvous host (MASTER_ADDR or the TCPStore's host), falling back to the
 host name's address, then to 127.0.0.1.
 
 This module is the only reader of PYCOMM_* (setup.py reads PYCOMM_BUILD_CUDA at
-build time): `group_config` turns a `Config` plus what torch passes into the C++
+build time, pycomm_autoload PYCOMM_AUTOLOAD at import torch): `group_config` turns a `Config` plus what torch passes into the C++
 core's one options object, `pycomm._C.GroupConfig` (csrc/common/group_config.h).
 """
 from __future__ import annotations
