@@ -6,6 +6,9 @@ installed (pycomm_autoload, torch's device-backend autoload), and so does
 
     import torch.distributed as dist
     dist.init_process_group("pycomm")
+
+`pycomm.init_process_group()` does the same, and returns quietly when a pycomm
+group exists already (for frameworks that create the group themselves).
 """
 import os as _os
 import warnings as _warnings
@@ -22,6 +25,7 @@ if _os.path.dirname(_os.path.realpath(_C.__file__)) != _os.path.dirname(_os.path
 from ._backend import (
     BACKEND_NAME,
     get_algorithm,
+    init_process_group,
     last_algorithm,
     monitored_barrier,
     register,
@@ -75,6 +79,7 @@ __all__ = [
     "flight_recorder",
     "get_algorithm",
     "hooks",
+    "init_process_group",
     "last_algorithm",
     "load_config",
     "monitored_barrier",

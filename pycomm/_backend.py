@@ -20,6 +20,7 @@ __all__ = [
     "select_algorithm",
     "last_algorithm",
     "monitored_barrier",
+    "init_process_group",
 ]
 
 BACKEND_NAME = "pycomm"
@@ -74,6 +75,46 @@ def register() -> None:
     # (cuda_staging.h); the CPU build is registered for cpu only.
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
                                   devices=_C._devices())
+
+
+def _default_group_is_pycomm() -> bool:
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):  # no CPU backend in the default group
+        return False
+    return isinstance(backend, _C.ProcessGroupPycomm)
+
+
+def init_process_group(init_method=None, *, timeout=None, world_size: int = -1, rank: int = -1,
+                       store=None, group_name: str = "", device_id=None, **kwargs) -> None:
+    """``dist.init_process_group(backend="pycomm", ...)``, idempotent: for code that
+    runs before a framework which creates the group itself (Accelerate, the
+    transformers Trainer) or may be run twice (notebooks).
+
+    No default group yet: creates one with the pycomm backend (the arguments are
+    torch's; rank and world size come from the environment as usual, e.g. under
+    torchrun). A default group whose CPU backend is pycomm already: returns
+    quietly, unless ``world_size`` or ``rank`` is given and differs from it
+    (ValueError). A default group of another backend: RuntimeError naming it."""
+    op = "pycomm init_process_group"
+    if dist.is_initialized():
+        if not _default_group_is_pycomm():
+            raise RuntimeError(
+                f"{op}: the default process group already exists with backend "
+                f"{dist.get_backend()!r}, not {BACKEND_NAME!r}; call this before the code that "
+                f"created it, or dist.destroy_process_group() first"
+            )
+        have = {"world_size": dist.get_world_size(), "rank": dist.get_rank()}
+        asked = {"world_size": world_size, "rank": rank}
+        for name, value in asked.items():
+            if value is not None and value >= 0 and value != have[name]:
+                raise ValueError(f"{op}: the pycomm default group exists with {name}={have[name]}, "
+                                 f"not the {name}={value} asked for")
+        return
+    if timeout is not None:
+        timeout = _timedelta(timeout)
+    dist.init_process_group(BACKEND_NAME, init_method=init_method, timeout=timeout, world_size=world_size,
+                            rank=rank, store=store, group_name=group_name, device_id=device_id, **kwargs)
 
 
 def _backend_of(group) -> "_C.ProcessGroupPycomm":
