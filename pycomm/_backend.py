@@ -158,7 +158,9 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     its answer; rank 0 waits up to ``timeout`` (a timedelta or seconds; default torch's
     30 minutes) and raises ``Rank 1 failed to pass monitoredBarrier in 2000 ms`` for the
     first rank that did not arrive, or with ``wait_all_ranks`` for all of them (``Ranks
-    1, 2 failed ...``). The ranks that did arrive raise too, saying rank 0 found a fault.
+    1, 2 failed ...``); a rank 0 out of time before it comes to a rank that has not
+    arrived says ``Rank 0 timed out in monitoredBarrier after N ms.`` and the ranks it
+    processed, as gloo. The ranks that did arrive raise too, saying rank 0 found a fault.
     After a failure the group is unusable, as after any pycomm failure. A group whose
     CPU backend is not pycomm goes to ``torch.distributed.monitored_barrier``."""
     if group is None:
