@@ -22,6 +22,10 @@ load it into an unsanitized python with LD_PRELOAD=$(g++ -print-file-name=libasa
 import glob
 import os
 
+# This script imports torch, whose autoload would load the pycomm._C being rebuilt here
+# (pycomm_autoload): a loaded library overwritten in place can crash the process.
+os.environ["PYCOMM_AUTOLOAD"] = "0"
+
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
@@ -127,7 +131,7 @@ setup(
     version="0.1.0",
     description="Collective communication for PyTorch: a torch.distributed backend "
     "with ring/tree/sharded all-reduce",
-    packages=find_packages(include=["pycomm", "pycomm.*"]),
+    packages=find_packages(include=["pycomm", "pycomm.*", "pycomm_autoload"]),
     python_requires=">=3.9",
     install_requires=["torch", "numpy", "scikit-learn", "pyyaml", "tqdm", "matplotlib"],
     ext_modules=[extension()],
@@ -136,6 +140,11 @@ setup(
         "console_scripts": [
             "pycomm-bench=pycomm.bench:main",
             "pycomm-train=pycomm.train.cli:main",
-        ]
+        ],
+        # torch calls it at `import torch` (device-backend autoload): registers the
+        # "pycomm" backend without `import pycomm` (pycomm_autoload/__init__.py)
+        "torch.backends": [
+            "pycomm=pycomm_autoload:register",
+        ],
     },
 )

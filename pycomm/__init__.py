@@ -1,16 +1,31 @@
 """pycomm: collective communication for PyTorch.
 
-`import pycomm` registers the "pycomm" torch.distributed backend::
+`import torch` registers the "pycomm" torch.distributed backend where pycomm is
+installed (pycomm_autoload, torch's device-backend autoload), and so does
+`import pycomm`::
 
-    import pycomm, torch.distributed as dist
+    import torch.distributed as dist
     dist.init_process_group("pycomm")
+
+`pycomm.init_process_group()` does the same, and returns quietly when a pycomm
+group exists already (for frameworks that create the group themselves).
 """
-import torch  # loads libc10/libtorch, which _C links against
+import os as _os
+import warnings as _warnings
+
+import torch  # loads libc10/libtorch, which _C links against (and runs pycomm_autoload)
 
 from . import _C
+
+if _os.path.dirname(_os.path.realpath(_C.__file__)) != _os.path.dirname(_os.path.realpath(__file__)):
+    # pycomm_autoload loaded _C at `import torch` from the pycomm found then; a module
+    # search path changed since makes this package run with another tree's _C.
+    _warnings.warn(f"pycomm: this package ({_os.path.dirname(__file__)}) runs with the pycomm._C "
+                   f"loaded at import torch from {_C.__file__}", RuntimeWarning, stacklevel=2)
 from ._backend import (
     BACKEND_NAME,
     get_algorithm,
+    init_process_group,
     last_algorithm,
     monitored_barrier,
     register,
@@ -64,6 +79,7 @@ __all__ = [
     "flight_recorder",
     "get_algorithm",
     "hooks",
+    "init_process_group",
     "last_algorithm",
     "load_config",
     "monitored_barrier",

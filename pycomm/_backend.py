@@ -20,6 +20,7 @@ __all__ = [
     "select_algorithm",
     "last_algorithm",
     "monitored_barrier",
+    "init_process_group",
 ]
 
 BACKEND_NAME = "pycomm"
@@ -77,6 +78,46 @@ def register() -> None:
                                   devices=_C._devices())
 
 
+def _default_group_is_pycomm() -> bool:
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):  # no CPU backend in the default group
+        return False
+    return isinstance(backend, _C.ProcessGroupPycomm)
+
+
+def init_process_group(init_method=None, *, timeout=None, world_size: int = -1, rank: int = -1,
+                       store=None, group_name: str = "", device_id=None, **kwargs) -> None:
+    """``dist.init_process_group(backend="pycomm", ...)``, idempotent: for code that
+    runs before a framework which creates the group itself (Accelerate, the
+    transformers Trainer) or may be run twice (notebooks).
+
+    No default group yet: creates one with the pycomm backend (the arguments are
+    torch's; rank and world size come from the environment as usual, e.g. under
+    torchrun). A default group whose CPU backend is pycomm already: returns
+    quietly, unless ``world_size`` or ``rank`` is given and differs from it
+    (ValueError). A default group of another backend: RuntimeError naming it."""
+    op = "pycomm init_process_group"
+    if dist.is_initialized():
+        if not _default_group_is_pycomm():
+            raise RuntimeError(
+                f"{op}: the default process group already exists with backend "
+                f"{dist.get_backend()!r}, not {BACKEND_NAME!r}; call this before the code that "
+                f"created it, or dist.destroy_process_group() first"
+            )
+        have = {"world_size": dist.get_world_size(), "rank": dist.get_rank()}
+        asked = {"world_size": world_size, "rank": rank}
+        for name, value in asked.items():
+            if value is not None and value >= 0 and value != have[name]:
+                raise ValueError(f"{op}: the pycomm default group exists with {name}={have[name]}, "
+                                 f"not the {name}={value} asked for")
+        return
+    if timeout is not None:
+        timeout = _timedelta(timeout)
+    dist.init_process_group(BACKEND_NAME, init_method=init_method, timeout=timeout, world_size=world_size,
+                            rank=rank, store=store, group_name=group_name, device_id=device_id, **kwargs)
+
+
 def _backend_of(group) -> "_C.ProcessGroupPycomm":
     if group is None:
         group = dist.distributed_c10d._get_default_group()
@@ -118,7 +159,9 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     its answer; rank 0 waits up to ``timeout`` (a timedelta or seconds; default torch's
     30 minutes) and raises ``Rank 1 failed to pass monitoredBarrier in 2000 ms`` for the
     first rank that did not arrive, or with ``wait_all_ranks`` for all of them (``Ranks
-    1, 2 failed ...``). The ranks that did arrive raise too, saying rank 0 found a fault.
+    1, 2 failed ...``); a rank 0 out of time before it comes to a rank that has not
+    arrived says ``Rank 0 timed out in monitoredBarrier after N ms.`` and the ranks it
+    processed, as gloo. The ranks that did arrive raise too, saying rank 0 found a fault.
     After a failure the group is unusable, as after any pycomm failure. A group whose
     CPU backend is not pycomm goes to ``torch.distributed.monitored_barrier``."""
     if group is None:

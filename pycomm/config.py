@@ -5,7 +5,7 @@ one place, docs/configuration.md; tests/test_docs.py checks that it lists exactl
 ENV_VARS.
 
 This module is the only reader of PYCOMM_* (setup.py reads PYCOMM_BUILD_CUDA at
-build time): `group_config` turns a `Config` plus what torch passes into the C++
+build time, pycomm_autoload PYCOMM_AUTOLOAD at import torch): `group_config` turns a `Config` plus what torch passes into the C++
 core's one options object, `pycomm._C.GroupConfig` (csrc/common/group_config.h).
 """
 from __future__ import annotations

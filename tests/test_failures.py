@@ -281,7 +281,7 @@ def test_rank_absent_from_each_collective_over_tcp(tmp_path):
                 assert name in ("gather", "reduce") and rank != 0, (rank, name, res)
                 continue
             assert "DistBackendError" in res["error"], (rank, name, res)
-            assert "timed out" in res["error"], (rank, name, res)
+            assert "Timed out" in res["error"], (rank, name, res)
             assert "rank 2" in res["error"] or "rank 0" in res["error"] or "rank 1" in res["error"], res
             assert 0.9 <= res["seconds"] < 1 + 5, (rank, name, res)
 

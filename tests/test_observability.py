@@ -145,8 +145,8 @@ def test_timeout_names_the_rank_behind_and_the_call(transport):
     seq = rets[0]["seq"]
     assert all(rets[r]["seq"] == seq for r in range(world))
     # A rank times out itself, or hears of a peer's timeout first ("rank 0 aborted the
-    # group: rank 0 timed out ..."): only the former compares progress.
-    timed_out = [r for r in range(world) if r != skipper and "timed out" in (rets[r]["error"] or "")
+    # group: rank 0: Timed out ..."): only the former compares progress.
+    timed_out = [r for r in range(world) if r != skipper and "Timed out" in (rets[r]["error"] or "")
                  and "aborted the group" not in rets[r]["error"]]
     assert timed_out, {r: rets[r]["error"] for r in range(world)}
     for r in range(world):

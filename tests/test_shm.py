@@ -309,7 +309,7 @@ def test_timeout_names_the_silent_rank():
                     timeout_s=90, pg_timeout_s=3).check()
     out = res.returns[0]
     assert out["error"] is not None, out
-    assert "DistBackendError" in out["error"] and "timed out" in out["error"], out
+    assert "DistBackendError" in out["error"] and "Timed out" in out["error"], out
     assert "rank 1" in out["error"] and "(shm)" in out["error"], out
     assert 2.5 < out["seconds"] < 3 + 5, out
 

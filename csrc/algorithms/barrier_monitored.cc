@@ -3,9 +3,11 @@
 // rank 0 waits for each of them before the deadline and answers all once every
 // one arrived. A rank that did not arrive in time is named ("Rank 1 failed to pass
 // monitoredBarrier in 2000 ms", gloo's words): the first such rank, or with
-// `waitAllRanks` every one. That is a runtime failure, so rank 0 aborts the group
-// and the ranks waiting on it learn why from its abort (they wait a grace past the
-// deadline for it).
+// `waitAllRanks` every one. Without `waitAllRanks`, a rank 0 already past its deadline
+// when it comes to a rank that has not arrived says so as gloo's does ("Rank 0 timed
+// out in monitoredBarrier after 0 ms." and the ranks it processed). That is a runtime
+// failure, so rank 0 aborts the group and the ranks waiting on it learn why from its
+// abort (they wait a grace past the deadline for it).
 #include <algorithm>
 #include <chrono>
 #include <string>
@@ -46,16 +48,26 @@ void barrierMonitored(Comm& comm, bool waitAllRanks) {
   std::vector<RequestPtr> arrivals(n);
   for (int j = 1; j < n; ++j) arrivals[j] = comm.recv(j, &sinks[j], 0);
   std::vector<int> missing;
+  std::vector<int> processed;
   std::string reasons;
   for (int j = 1; j < n; ++j) {
+    const bool outOfTime = Clock::now() >= comm.deadline();
     // Past the deadline waitUntil only looks: with waitAllRanks every late rank is named.
     if (!arrivals[j]->waitUntil(comm.deadline())) {
+      if (outOfTime && !waitAllRanks) {
+        std::string done;
+        for (size_t i = 0; i < processed.size(); ++i) done += (i ? ", " : "") + std::to_string(processed[i]);
+        comm.fail(ErrorKind::kTimeout, "Rank 0 timed out in monitoredBarrier after ", ms, " ms.\n",
+                  processed.empty() ? std::string("No ranks successfully processed in monitoredBarrier.")
+                                    : "Successfully processed ranks: " + done);
+      }
       missing.push_back(j);
     } else if (arrivals[j]->failed()) {  // e.g. rank j is in another collective
       missing.push_back(j);
       reasons += strCat(" (rank ", j, ": ", arrivals[j]->error(), ")");
     }
     if (!missing.empty() && !waitAllRanks) break;
+    if (missing.empty()) processed.push_back(j);
   }
   if (!missing.empty()) {
     std::string ranks;

@@ -59,7 +59,7 @@ void Comm::wait(const RequestPtr& request) {
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
     const int peer = request->peer();
     const std::string pending = transport_.describePending(peer);
-    fail(ErrorKind::kTimeout, transport_.rankName(rank()), " timed out after ",
+    fail(ErrorKind::kTimeout, transport_.rankName(rank()), ": Timed out after ",
                seconds, " s waiting for ",
                peer == kAnySource ? std::string("any rank") : transport_.rankName(peer),
                " (did it call the same collective? is it alive?",
@@ -137,7 +137,7 @@ void Comm::waitArena(int peer, ShmArena::Phase phase, uint64_t value) {
   if (timedOut) {
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%.1f", timeout_.count() / 1000.0);
-    fail(ErrorKind::kTimeout, transport_.rankName(rank()), " timed out after ",
+    fail(ErrorKind::kTimeout, transport_.rankName(rank()), ": Timed out after ",
                seconds, " s waiting for ", peerName,
                " (did it call the same collective? is it alive? waiting for its counter to reach ",
                value, "; ", arena_->describe(), ")");

@@ -147,7 +147,7 @@ bool PointToPointWork::wait(std::chrono::milliseconds timeout) {
       C10_THROW_ERROR(DistBackendError, errorPrefix(opName_) + ": wait() timed out waiting for " + who);
     }
     const std::string detail = c10::str(group_->transport().rankName(group_->transport().rank()),
-                                        " timed out after ", seconds, " s waiting for ", who);
+                                        ": Timed out after ", seconds, " s waiting for ", who);
     group_->fail(errorPrefix(opName_) + ": " + detail, detail);
   }
   const bool done = c10d::Work::wait(kNoTimeout);  // throws the work's error
