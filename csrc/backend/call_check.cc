@@ -12,7 +12,7 @@ namespace pycomm {
 
 namespace {
 
-std::string describeCall(const CallSignature& sig) {
+std::string callText(const CallSignature& sig) {
   std::string text = sig.op;
   if (sig.dtype >= 0) text += strCat(" ", dataTypeName(static_cast<DataType>(sig.dtype)));
   if (sig.count >= 0) text += strCat(" x", sig.count);
@@ -58,7 +58,7 @@ void checkSameCall(Comm& comm, const CallDescriptor& call) {
   if (same) return;
   std::string calls;
   for (int r = 0; r < n && r < 8; ++r)
-    calls += strCat(r ? "; " : "", comm.transport().rankName(r), ": ", describeCall(all[r]));
+    calls += strCat(r ? "; " : "", comm.transport().rankName(r), ": ", callText(all[r]));
   const std::string detail = strCat("ranks made different calls (PYCOMM_CHECK): ", calls, n > 8 ? "; ..." : "");
   throw Error(ErrorKind::kUsage, errorPrefix(call.comparedName()), detail);
 }
