@@ -4,16 +4,15 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..config import ALGORITHMS as _ALGORITHMS  # "auto" and the C++ table's names
 from ._common import _STATE_VERSION, _aborts_group_on_error, _check_kind, _dense_allreduce, _group_size, _is_pycomm
-
-_ALGORITHMS = ("auto", "ring", "tree", "sharded")
 
 
 class AllreduceState:
     """State of :func:`allreduce_hook`: the process group and the all-reduce algorithm.
 
-    ``algorithm`` (``"auto"``, ``"ring"``, ``"tree"``, ``"sharded"``; None keeps the
-    group's setting) is applied with :func:`pycomm.set_algorithm` on the first call, so
+    ``algorithm`` (``"auto"`` or a name of ``pycomm.config.ALGORITHMS``; None keeps
+    the group's setting) is applied with :func:`pycomm.set_algorithm` on the first call, so
     it is a setting of the whole group, not of this hook alone. It needs a pycomm group
     (other backends accept only None or ``"auto"``)."""
 
