@@ -26,15 +26,18 @@ PYCOMM_SHM_SPREAD      1          with more ranks on a host than CPUs they may u
 PYCOMM_DEBUG           0          1 prints the algorithm chosen per all-reduce,
                                   dropped connections and failures to stderr (the
                                   C++ core's switch is process-wide)
-PYCOMM_SECRET          (unset)    the job secret's text, the same on every rank: each
-                                  connection between ranks is authenticated (both
-                                  ways, challenge-response) with a key derived from
-                                  it, and nothing secret goes into torch's store, so
-                                  store access alone does not let a process join.
-                                  Unset: rank 0 draws a random secret into the store
+PYCOMM_SECRET          (unset)    the job secret's text (at least 16 bytes), the same
+                                  on every rank: each connection between ranks is
+                                  authenticated (both ways, challenge-response) with
+                                  a key stretched from it (PBKDF2), and nothing secret
+                                  goes into torch's store, so store access alone does
+                                  not let a process join. Unset: rank 0 draws a random
+                                  secret into the store. The local launcher
+                                  (pycomm.launch) draws one for its ranks
 PYCOMM_SECRET_FILE     (unset)    path of a file holding the job secret (instead of
                                   PYCOMM_SECRET; surrounding whitespace and the final
-                                  newline are ignored). Setting both is an error
+                                  newline are ignored); refused when group or others
+                                  may read or write it. Setting both is an error
 PYCOMM_COST_MODEL      (cache)    the constants of the all-reduce cost model that
                                   auto uses among the network algorithms: unset =
                                   this host's calibration cache if there is one
@@ -52,6 +55,14 @@ PYCOMM_SOCKETS_PER_PEER auto     TCP streams per pair of ranks (1..16): a messag
 PYCOMM_IO_THREADS      auto       epoll threads driving the TCP streams (1..16, at
                                   most one per stream). auto: one per stream, up to
                                   half the CPUs
+PYCOMM_WIRE            integrity  what protects TCP bytes after the handshake:
+                                  integrity = every frame (header, payload) carries
+                                  an HMAC-SHA256 under a per-connection key with its
+                                  sequence number, so bytes altered, dropped, replayed
+                                  or reordered in transit fail the call naming the
+                                  peer; none = the handshake only (a relay that
+                                  forwards it may alter the stream). The same on
+                                  every rank (the handshake fails otherwise)
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -74,6 +85,7 @@ import json
 import math
 import os
 import socket
+import stat
 import struct
 
 from . import _C
@@ -84,10 +96,13 @@ __all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", 
 
 ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK",
             "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE", "PYCOMM_COST_MODEL",
-            "PYCOMM_SOCKETS_PER_PEER", "PYCOMM_IO_THREADS")
+            "PYCOMM_SOCKETS_PER_PEER", "PYCOMM_IO_THREADS", "PYCOMM_WIRE")
 # "auto" and the all-reduce table's names, from the C++ core (allreduce_registry.h).
 ALGORITHMS = tuple(_C.allreduce_algorithms())
+# The shortest job secret accepted (csrc/transport/wire.h kMinSecretBytes says the same).
+MIN_SECRET_BYTES = 16
 TRANSPORTS = ("auto", "shm", "tcp")
+WIRE_MODES = ("integrity", "none")
 # The constants of the cost model (csrc/common/cost_model.h), as named in Python.
 COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta", "cpu_beta_oneway",
                "link_burst")
@@ -117,6 +132,8 @@ class Config:
     sockets_per_peer: int | str = "auto"
     io_threads: int | str = "auto"
     per_stream_gbps: float | None = None
+    # PYCOMM_WIRE: "integrity" or "none".
+    wire: str = "integrity"
 
 
 def _flag(env, name: str, default: str) -> bool:
@@ -152,7 +169,15 @@ def load_config(environ=None) -> Config:
                   transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"),
                   secret=_secret(env), cost_model=_cost_model(env),
                   sockets_per_peer=_count(env, "PYCOMM_SOCKETS_PER_PEER", MAX_STREAMS),
-                  io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env))
+                  io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env),
+                  wire=_wire(env))
+
+
+def _wire(env) -> str:
+    wire = env.get("PYCOMM_WIRE", "integrity").strip().lower() or "integrity"
+    if wire not in WIRE_MODES:
+        raise ValueError(f"pycomm: PYCOMM_WIRE must be one of {', '.join(WIRE_MODES)} (got {wire!r})")
+    return wire
 
 
 def _count(env, name: str, most: int) -> int | str:
@@ -249,6 +274,15 @@ def _secret(env) -> str:
         raise ValueError("pycomm: set PYCOMM_SECRET or PYCOMM_SECRET_FILE, not both")
     if path is not None:
         try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ValueError(f"pycomm: PYCOMM_SECRET_FILE={path!r} cannot be read "
+                             f"({type(exc).__name__}: {exc.strerror})") from None
+        if mode & 0o077:
+            # As ssh refuses a private key others can read: a secret they can read is no secret.
+            raise ValueError(f"pycomm: PYCOMM_SECRET_FILE={path!r} is readable or writable by group or others "
+                             f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
+        try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
@@ -260,6 +294,10 @@ def _secret(env) -> str:
     elif text is not None:
         if not text:
             raise ValueError("pycomm: PYCOMM_SECRET is set but empty")
+    if text and len(text.encode("utf-8")) < MIN_SECRET_BYTES:
+        knob = "PYCOMM_SECRET_FILE's secret" if path is not None else "PYCOMM_SECRET"
+        raise ValueError(f"pycomm: {knob} is {len(text.encode('utf-8'))} bytes; at least {MIN_SECRET_BYTES} are "
+                         "required (e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
     return text or ""
 
 
@@ -278,6 +316,7 @@ def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: s
     options.shm_spread = config.shm_spread
     options.debug = config.debug
     options.secret = config.secret
+    options.wire = config.wire
     options.sockets_per_peer, options.io_threads = resolve_streams(config, bind_address)
     if config.cost_model is not None:
         for name, value in config.cost_model.items():
