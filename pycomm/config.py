@@ -55,14 +55,19 @@ PYCOMM_SOCKETS_PER_PEER auto     TCP streams per pair of ranks (1..16): a messag
 PYCOMM_IO_THREADS      auto       epoll threads driving the TCP streams (1..16, at
                                   most one per stream). auto: one per stream, up to
                                   half the CPUs
-PYCOMM_WIRE            integrity  what protects TCP bytes after the handshake:
+PYCOMM_WIRE            auto       what protects TCP bytes after the handshake:
                                   integrity = every frame (header, payload) carries
                                   an HMAC-SHA256 under a per-connection key with its
                                   sequence number, so bytes altered, dropped, replayed
                                   or reordered in transit fail the call naming the
                                   peer; none = the handshake only (a relay that
-                                  forwards it may alter the stream). The same on
-                                  every rank (the handshake fails otherwise)
+                                  forwards it may alter the stream). auto =
+                                  integrity with a job secret (PYCOMM_SECRET[_FILE]),
+                                  none without one (the key is then in the store,
+                                  which a relay can read: MACs would not stop it).
+                                  HMAC-SHA256 costs CPU: 64 MiB all-reduces over TCP
+                                  on a busy 2-core host ran at 1/2-1/3 the busbw. The
+                                  same on every rank (the handshake fails otherwise)
 PYCOMM_BUILD_CUDA      auto       build time only, read by setup.py (not here):
                                   auto / 0 / 1 = CUDA sources when available /
                                   never / required
@@ -102,7 +107,7 @@ ALGORITHMS = tuple(_C.allreduce_algorithms())
 # The shortest job secret accepted (csrc/transport/wire.h kMinSecretBytes says the same).
 MIN_SECRET_BYTES = 16
 TRANSPORTS = ("auto", "shm", "tcp")
-WIRE_MODES = ("integrity", "none")
+WIRE_MODES = ("auto", "integrity", "none")
 # The constants of the cost model (csrc/common/cost_model.h), as named in Python.
 COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta", "cpu_beta_oneway",
                "link_burst")
@@ -132,8 +137,8 @@ class Config:
     sockets_per_peer: int | str = "auto"
     io_threads: int | str = "auto"
     per_stream_gbps: float | None = None
-    # PYCOMM_WIRE: "integrity" or "none".
-    wire: str = "integrity"
+    # PYCOMM_WIRE, resolved: "integrity" or "none".
+    wire: str = "none"
 
 
 def _flag(env, name: str, default: str) -> bool:
@@ -165,18 +170,21 @@ def load_config(environ=None) -> Config:
     )
     # Spreading is on unless exactly "0"; debug is on unless unset, empty or "0".
     spread = env.get("PYCOMM_SHM_SPREAD", "1").strip() != "0"
+    secret = _secret(env)
     return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
                   transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"),
-                  secret=_secret(env), cost_model=_cost_model(env),
+                  secret=secret, cost_model=_cost_model(env),
                   sockets_per_peer=_count(env, "PYCOMM_SOCKETS_PER_PEER", MAX_STREAMS),
                   io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env),
-                  wire=_wire(env))
+                  wire=_wire(env, secret))
 
 
-def _wire(env) -> str:
-    wire = env.get("PYCOMM_WIRE", "integrity").strip().lower() or "integrity"
+def _wire(env, secret: str) -> str:
+    wire = env.get("PYCOMM_WIRE", "auto").strip().lower() or "auto"
     if wire not in WIRE_MODES:
         raise ValueError(f"pycomm: PYCOMM_WIRE must be one of {', '.join(WIRE_MODES)} (got {wire!r})")
+    if wire == "auto":
+        return "integrity" if secret else "none"
     return wire
 
 

@@ -7,7 +7,8 @@ forge it: it does not know the secret), then flips one byte deep in rank 1's str
 (inside the all-reduce's payload). With PYCOMM_WIRE=integrity (the default) every
 frame carries a MAC under a key the relay cannot derive: rank 0 raises, naming rank
 1, and no rank returns a wrong result. With PYCOMM_WIRE=none (the control) the same
-relay makes the all-reduce finish with one wrong element and no error."""
+relay makes the all-reduce finish with one wrong element and no error.
+Output of the victim (rank 0) is checked for the sender's name."""
 from __future__ import annotations
 
 import os
@@ -118,8 +119,11 @@ RELAY = textwrap.dedent(
 def _run(tmp_path, wire):
     store, ready = str(tmp_path / "store"), str(tmp_path / "relay-ready")
     env = dict(os.environ, PYCOMM_SECRET="a job secret the relay does not know", PYCOMM_TRANSPORT="tcp",
-               PYCOMM_SOCKETS_PER_PEER="1", PYCOMM_IO_THREADS="1", PYCOMM_WIRE=wire, OMP_NUM_THREADS="1",
+               PYCOMM_SOCKETS_PER_PEER="1", PYCOMM_IO_THREADS="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PYCOMM_WIRE", None)
+    if wire is not None:
+        env["PYCOMM_WIRE"] = wire
     relay = subprocess.Popen([sys.executable, "-c", RELAY, store, ready, str(FLIP_AT)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(r), store, ready], env=env,
@@ -144,8 +148,20 @@ def _run(tmp_path, wire):
     return results, outputs
 
 
+def test_wire_mode_defaults_to_integrity_with_a_secret():
+    from pycomm import config
+
+    secret = {"PYCOMM_SECRET": "a job secret long enough"}
+    assert config.load_config(secret).wire == "integrity"
+    assert config.load_config({}).wire == "none"  # the key is in the store: MACs would not stop a relay
+    assert config.load_config(dict(secret, PYCOMM_WIRE="none")).wire == "none"
+    assert config.load_config({"PYCOMM_WIRE": "integrity"}).wire == "integrity"
+    with pytest.raises(ValueError, match="PYCOMM_WIRE must be one of auto, integrity, none"):
+        config.load_config({"PYCOMM_WIRE": "encrypt"})
+
+
 def test_relay_that_flips_a_byte_makes_the_victim_raise(tmp_path):
-    results, outputs = _run(tmp_path, "integrity")
+    results, outputs = _run(tmp_path, None)  # PYCOMM_WIRE unset: a secret makes it integrity
     assert "flipped" in outputs[2], outputs
     assert 0 in results, outputs
     assert "error" in results[0], results
