@@ -17,6 +17,7 @@ import json
 import math
 import os
 import socket
+import stat
 import struct
 from collections.abc import Mapping
 
@@ -28,10 +29,13 @@ __all__ = ["Config", "load_config", "bind_address", "group_config", "ENV_VARS", 
 
 ENV_VARS = ("PYCOMM_ALGO", "PYCOMM_TRANSPORT", "PYCOMM_SEGMENT_BYTES", "PYCOMM_SOCKET_IFNAME", "PYCOMM_CHECK",
             "PYCOMM_SHM_SPREAD", "PYCOMM_DEBUG", "PYCOMM_SECRET", "PYCOMM_SECRET_FILE", "PYCOMM_COST_MODEL",
-            "PYCOMM_SOCKETS_PER_PEER", "PYCOMM_IO_THREADS")
+            "PYCOMM_SOCKETS_PER_PEER", "PYCOMM_IO_THREADS", "PYCOMM_WIRE")
 # "auto" and the all-reduce table's names, from the C++ core (allreduce_registry.h).
 ALGORITHMS = tuple(_C.allreduce_algorithms())
+# The shortest job secret accepted (csrc/transport/wire.h kMinSecretBytes says the same).
+MIN_SECRET_BYTES = 16
 TRANSPORTS = ("auto", "shm", "tcp")
+WIRE_MODES = ("auto", "integrity", "none")
 # The constants of the cost model (csrc/common/cost_model.h), as named in Python.
 COST_FIELDS = ("alpha", "beta", "gamma", "delta", "shm_alpha", "shm_beta", "cpu_beta", "cpu_beta_oneway",
                "link_burst")
@@ -64,6 +68,8 @@ class Config:
     sockets_per_peer: int | str = "auto"
     io_threads: int | str = "auto"
     per_stream_gbps: float | None = None
+    # PYCOMM_WIRE, resolved: "integrity" or "none".
+    wire: str = "none"
 
 
 def _flag(env, name: str, default: str) -> bool:
@@ -97,11 +103,22 @@ def load_config(environ=None) -> Config:
     )
     # Spreading is on unless exactly "0"; debug is on unless unset, empty or "0".
     spread = env.get("PYCOMM_SHM_SPREAD", "1").strip() != "0"
+    secret = _secret(env)
     return Config(algorithm=algorithm, segment_bytes=segment, socket_ifname=ifname, check_calls=check,
                   transport=transport, shm_spread=spread, debug=_flag(env, "PYCOMM_DEBUG", "0"),
-                  secret=_secret(env), cost_model=_cost_model(env),
+                  secret=secret, cost_model=_cost_model(env),
                   sockets_per_peer=_count(env, "PYCOMM_SOCKETS_PER_PEER", MAX_STREAMS),
-                  io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env))
+                  io_threads=_count(env, "PYCOMM_IO_THREADS", MAX_IO_THREADS), per_stream_gbps=_per_stream(env),
+                  wire=_wire(env, secret))
+
+
+def _wire(env, secret: str) -> str:
+    wire = env.get("PYCOMM_WIRE", "auto").strip().lower() or "auto"
+    if wire not in WIRE_MODES:
+        raise ValueError(f"pycomm: PYCOMM_WIRE must be one of {', '.join(WIRE_MODES)} (got {wire!r})")
+    if wire == "auto":
+        return "integrity" if secret else "none"
+    return wire
 
 
 def with_settings(settings=None):
@@ -216,6 +233,15 @@ def _secret(env) -> str:
         raise ValueError("pycomm: set PYCOMM_SECRET or PYCOMM_SECRET_FILE, not both")
     if path is not None:
         try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ValueError(f"pycomm: PYCOMM_SECRET_FILE={path!r} cannot be read "
+                             f"({type(exc).__name__}: {exc.strerror})") from None
+        if mode & 0o077:
+            # As ssh refuses a private key others can read: a secret they can read is no secret.
+            raise ValueError(f"pycomm: PYCOMM_SECRET_FILE={path!r} is readable or writable by group or others "
+                             f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it")
+        try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
@@ -227,6 +253,10 @@ def _secret(env) -> str:
     elif text is not None:
         if not text:
             raise ValueError("pycomm: PYCOMM_SECRET is set but empty")
+    if text and len(text.encode("utf-8")) < MIN_SECRET_BYTES:
+        knob = "PYCOMM_SECRET_FILE's secret" if path is not None else "PYCOMM_SECRET"
+        raise ValueError(f"pycomm: {knob} is {len(text.encode('utf-8'))} bytes; at least {MIN_SECRET_BYTES} are "
+                         "required (e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
     return text or ""
 
 
@@ -245,6 +275,7 @@ def group_config(config: Config, *, timeout: datetime.timedelta, bind_address: s
     options.shm_spread = config.shm_spread
     options.debug = config.debug
     options.secret = config.secret
+    options.wire = config.wire
     options.sockets_per_peer, options.io_threads = resolve_streams(config, bind_address)
     if config.cost_model is not None:
         for name, value in config.cost_model.items():

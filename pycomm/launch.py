@@ -4,8 +4,10 @@ A *worker* is a module-level function ``worker(rank, world_size, init_method, pa
 :func:`launch_workers` runs it on every rank and returns rank 0's result: under
 ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) the calling process is one rank and joins
 through ``env://``; otherwise it spawns the ranks on this host, which rendezvous through a
-``tcp://127.0.0.1`` store on a free port. pycomm never brings its own cluster manager:
-multi-machine runs go through torchrun.
+``file://`` store in a directory only this user can read (no port to pick, so none to race
+for or to be read by other local users), and draws a job secret (``PYCOMM_SECRET``) for
+them unless one is set. pycomm never brings its own cluster manager: multi-machine runs go
+through torchrun.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
-import socket
+import secrets
 import sys
 import tempfile
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["free_port", "launch_workers", "torchrun_env"]
+__all__ = ["launch_workers", "torchrun_env"]
 
 
 def torchrun_env() -> Optional[Tuple[int, int]]:
@@ -30,13 +32,6 @@ def torchrun_env() -> Optional[Tuple[int, int]]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (rank 0's store binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_rank(rank: int, world_size: int, init_method: str, worker: Callable, payload: Any,
@@ -63,7 +58,10 @@ def run_rank(rank: int, world_size: int, init_method: str, worker: Callable, pay
 
 
 def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
-                 payload: Any, result_path: str, expected_errors: Tuple[str, ...]) -> None:
+                 payload: Any, result_path: str, expected_errors: Tuple[str, ...],
+                 secret: Optional[str] = None) -> None:
+    if secret is not None:
+        os.environ["PYCOMM_SECRET"] = secret
     code = run_rank(rank, world_size, init_method, worker, payload, result_path, expected_errors)
     if code:
         sys.exit(code)
@@ -76,8 +74,9 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
     Under torchrun (``RANK``/``WORLD_SIZE`` set), the calling process is one
     rank: ``worker`` runs here with ``init_method="env://"`` and its own
     result is returned. Otherwise ``nprocs`` processes are spawned on this
-    host, rendezvous through a ``tcp://127.0.0.1`` store on a free port, and
-    rank 0's return value (which must pickle) comes back. If a
+    host, rendezvous through a ``file://`` store in a private temporary directory
+    (with a fresh ``PYCOMM_SECRET`` unless ``PYCOMM_SECRET`` or ``PYCOMM_SECRET_FILE``
+    is set), and rank 0's return value (which must pickle) comes back. If a
     worker dies, the others are terminated and ``RuntimeError`` (its message
     starting with ``prefix``) is raised. A spawned worker's ``RuntimeError`` or
     ``ValueError`` whose message starts with one of ``expected_errors`` is printed
@@ -91,13 +90,17 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
 
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pycomm-launch-") as tmpdir:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # mkdtemp makes the directory 0700: only this user reads the store (and the result).
+        init_method = "file://" + os.path.join(tmpdir, "store")
         result_path = os.path.join(tmpdir, "result.pkl")
+        # A secret of our own unless the user chose one (both set would be an error).
+        own_secret = ("PYCOMM_SECRET" not in os.environ and "PYCOMM_SECRET_FILE" not in os.environ)
+        secret = secrets.token_hex(32) if own_secret else None
         procs = []
         for rank in range(nprocs):
             proc = ctx.Process(
                 target=_spawn_entry,
-                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors)),
+                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors), secret),
                 name=f"pycomm-rank{rank}",
                 daemon=True,
             )

@@ -101,10 +101,13 @@ _READ_BURST = 64 << 20
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (pycomm.launch's)."""
-    from pycomm.launch import free_port as launch_free_port  # not at import: netns ranks load torch late
+    """A TCP port on 127.0.0.1 that was free a moment ago (tests only: another process
+    may take it before the store binds it; pycomm's own launcher uses a file store)."""
+    import socket
 
-    return launch_free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class _Sender:

@@ -54,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("secret", &pycomm::GroupConfig::secret)
       .def_readwrite("sockets_per_peer", &pycomm::GroupConfig::socketsPerPeer)
       .def_readwrite("io_threads", &pycomm::GroupConfig::ioThreads)
+      .def_readwrite("wire", &pycomm::GroupConfig::wire)
       .def_readwrite("cost", &pycomm::GroupConfig::cost);
 
   py::class_<ProcessGroupPycomm, c10::intrusive_ptr<ProcessGroupPycomm>>(m, "ProcessGroupPycomm",

@@ -45,6 +45,9 @@ struct GroupConfig {
   // resolves `auto` (plan.py's stream model) before it gets here.
   int socketsPerPeer = 1;
   int ioThreads = 1;
+  // What protects TCP frames after the handshake (PYCOMM_WIRE): "integrity" (every
+  // frame MACed under a per-connection key) or "none". The same on every rank.
+  std::string wire = "integrity";
   // The cost model `auto` chooses the all-reduce algorithm with (the host's cached
   // calibration, PYCOMM_COST_MODEL; the built-in defaults otherwise).
   CostModel cost;

@@ -20,6 +20,9 @@ GroupTransport bootstrapGroup(KeyValueStore& store, int rank, int size, const Gr
   options.secret = config.secret;
   options.socketsPerPeer = config.socketsPerPeer;
   options.ioThreads = config.ioThreads;
+  PYCOMM_CHECK_USAGE(config.wire == "integrity" || config.wire == "none", "pycomm: unknown PYCOMM_WIRE '",
+                     config.wire, "' (expected integrity or none)");
+  options.wire = config.wire == "none" ? kWireNone : kWireIntegrity;
   GroupTransport group;
   // TCP first: it names a rank that never joins; once it is up every rank is
   // here, so the host-key exchange below does not wait on a missing one.

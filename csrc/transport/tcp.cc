@@ -24,6 +24,9 @@ TcpTransport::TcpTransport(int rank, int size, KeyValueStore& store, const TcpOp
   PYCOMM_CHECK_USAGE(options.socketsPerPeer >= 1 && options.socketsPerPeer <= kMaxStreams,
                      "pycomm: sockets per peer must be in 1..", kMaxStreams, " (PYCOMM_SOCKETS_PER_PEER), not ",
                      options.socketsPerPeer);
+  PYCOMM_CHECK_USAGE(options.wire == kWireNone || options.wire == kWireIntegrity, "pycomm: unknown wire mode ",
+                     options.wire);
+  wire_ = options.wire;
   PYCOMM_CHECK_USAGE(options.ioThreads >= 1 && options.ioThreads <= kMaxIoThreads,
                      "pycomm: I/O threads must be in 1..", kMaxIoThreads, " (PYCOMM_IO_THREADS), not ",
                      options.ioThreads);

@@ -40,6 +40,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transport/hmac.h"
 #include "transport/transport.h"
 #include "transport/wire.h"
 
@@ -63,6 +64,9 @@ struct TcpOptions {
   int socketsPerPeer = 1;
   // epoll threads (1..kMaxIoThreads; at most one per stream).
   int ioThreads = 1;
+  // PYCOMM_WIRE: kWireIntegrity authenticates every frame (wire.h); kWireNone only
+  // the connection. Every rank must run the same (the handshake fails otherwise).
+  uint32_t wire = kWireIntegrity;
 };
 
 constexpr int kMaxIoThreads = 16;
@@ -156,7 +160,13 @@ class TcpTransport : public Transport {
     bool withHeader;  // stream 0 sends the header first; the others payload only
     const char* data;
     size_t bytes;
-    size_t written;   // of header (if any) + payload
+    size_t written;   // of header (and its tag) + payload (and its tag)
+    // Wire integrity: the frames' MACs, computed as the bytes are written.
+    bool macStarted = false;  // sequence numbers taken, header tag made
+    bool tagReady = false;    // payloadTag holds the payload's MAC
+    size_t macked = 0;        // payload bytes fed to the MAC
+    uint8_t headerTag[kFrameTagBytes];
+    uint8_t payloadTag[kFrameTagBytes];
   };
   struct Stream {
     int fd = -1;
@@ -167,6 +177,9 @@ class TcpTransport : public Transport {
     std::mutex mutex;
     std::deque<PendingSend> sendQueue;
     bool writeArmed = false;
+    // Wire integrity (null without): this direction's frame MAC and sequence number.
+    std::unique_ptr<HmacSha256> sendMac;
+    uint64_t sendSequence = 0;
     bool readPaused = false;  // the epoll interest: EPOLLIN unless paused, EPOLLOUT when armed
     std::deque<Stripe> stripes;  // streams > 0: the stripes announced on stream 0, in order
     bool stripesClosed = false;  // its peer failed: stripes announced now are dropped at once
@@ -177,6 +190,13 @@ class TcpTransport : public Transport {
     bool inPayload = false;
     Stripe current;
     size_t got = 0;
+    // Wire integrity (null without): the incoming frames' MAC, their sequence
+    // number, and the tag being read after a header or a stripe.
+    std::unique_ptr<HmacSha256> recvMac;
+    uint64_t recvSequence = 0;
+    bool inTag = false;
+    size_t tagGot = 0;
+    uint8_t tag[kFrameTagBytes];
   };
   struct Peer {
     std::vector<std::unique_ptr<Stream>> streams;
@@ -226,6 +246,11 @@ class TcpTransport : public Transport {
   void retryParked(int thread);
   // Stops (or resumes) watching a stream's socket for reads, keeping writes armed.
   void pauseReads(Stream& s, bool paused);
+  // After a header is matched (or a stripe taken): reads its payload next (its
+  // frame MAC begun), or settles an empty one.
+  void startPayload(int peer, Stream& s);
+  // Checks the frame tag just read on `s`; false (and `peer` failed) when it is wrong.
+  bool checkFrameTag(int peer, Stream& s);
   // Stream `s` read all of its current stripe; the last stripe settles the message.
   void finishStripe(int peer, Stream& s);
   void finishIncoming(int peer, const std::shared_ptr<Inbound>& message);
@@ -267,6 +292,7 @@ class TcpTransport : public Transport {
   std::string abortReason_;
   int listenFd_ = -1;
   int socketsPerPeer_ = 1;  // rank 0's choice, agreed at connection time
+  uint32_t wire_ = kWireIntegrity;
   std::vector<IoThread> io_;
   static constexpr uint64_t kWakeId = ~0ull;  // wakeFd's epoll id (a stream's is eventId())
   std::atomic<bool> stop_{false};

@@ -190,6 +190,9 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
   const std::string groupKey = options.storePrefix + "group";
   const std::string secretKey = options.storePrefix + "secret";
   const bool fromEnv = !options.secret.empty();
+  PYCOMM_CHECK_USAGE(!fromEnv || options.secret.size() >= kMinSecretBytes, "pycomm: the job secret (PYCOMM_SECRET ",
+                     "or PYCOMM_SECRET_FILE) is ", options.secret.size(), " bytes; at least ", kMinSecretBytes,
+                     " are required (e.g. python -c 'import secrets; print(secrets.token_hex(16))')");
   uint8_t group[kGroupIdBytes];
   uint8_t storeSecret[kSecretBytes];
   HandshakeKey key;
@@ -224,8 +227,8 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
     if (!fromEnv && !fromHex(store.get(secretKey), storeSecret, sizeof(storeSecret)))
       throwError(ErrorKind::kConnection, "pycomm: the job secret in the store is malformed");
   }
-  key = fromEnv ? handshakeKey(options.secret.data(), options.secret.size())
-                : handshakeKey(storeSecret, sizeof(storeSecret));
+  key = fromEnv ? handshakeKey(options.secret.data(), options.secret.size(), group, true)
+                : handshakeKey(storeSecret, sizeof(storeSecret), group, false);
   std::memset(storeSecret, 0, sizeof(storeSecret));
 
   sockaddr_storage address;
@@ -376,7 +379,7 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
           } else {
             h->connecting = false;
             h->hello = Hello{kHelloMagic, kWireVersion, rank_, size_, h->peer, static_cast<uint32_t>(h->stream),
-                             {}, {}};
+                             {}, {}, wire_, 0};
             std::memcpy(h->hello.group, group, sizeof(group));
             randomBytes(h->hello.nonce, sizeof(h->hello.nonce));
             h->send(h->hello);
@@ -391,7 +394,7 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
             throwError(ErrorKind::kConnection, outgoingFailure(*h, "could not authenticate"), ": ", refused);
           Proof proof{kProofMagic, 0, {}};
           handshakeMac(key, HandshakeRole::kConnector, group, size_, rank_, h->peer, h->hello.nonce,
-                       h->challenge.nonce, proof.mac);
+                       h->challenge.nonce, wire_, proof.mac);
           h->send(proof);
           h->in.clear();
           error = h->pump();
@@ -404,7 +407,14 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
           h->retryAt = now + kConnectRetry;
         } else if (!h->connecting && h->in.empty() && h->sent()) {
           h->done = true;
-          peers_[h->peer]->streams[h->stream]->fd = h->fd;
+          Stream& st = *peers_[h->peer]->streams[h->stream];
+          st.fd = h->fd;
+          if (wire_ == kWireIntegrity) {
+            SessionKeys keys = sessionKeys(key, HandshakeRole::kConnector, h->hello, h->challenge.nonce);
+            st.sendMac = std::make_unique<HmacSha256>(keys.send, sizeof(keys.send));
+            st.recvMac = std::make_unique<HmacSha256>(keys.recv, sizeof(keys.recv));
+            std::memset(&keys, 0, sizeof(keys));
+          }
           --pendingOut;
         }
         continue;
@@ -416,13 +426,18 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
         error = checkHello(h->hello, rank_, size_, group);
         if (error.empty() && h->hello.stream >= static_cast<uint32_t>(streams))
           error = strCat("peer opened stream ", h->hello.stream, " but rank 0 chose ", streams, " per peer");
+        if (error.empty() && h->hello.wire != wire_) {
+          h->peer = h->hello.rank;  // named in the timeout's message
+          error = strCat("peer runs PYCOMM_WIRE=", h->hello.wire == kWireNone ? "none" : "integrity",
+                         ", this rank ", wire_ == kWireNone ? "none" : "integrity");
+        }
         if (error.empty()) {
           h->peer = h->hello.rank;
           h->stream = static_cast<int>(h->hello.stream);
           h->challenge = Challenge{kChallengeMagic, kWireVersion, {}, {}};
           randomBytes(h->challenge.nonce, sizeof(h->challenge.nonce));
           handshakeMac(key, HandshakeRole::kAcceptor, group, size_, h->peer, rank_, h->hello.nonce,
-                       h->challenge.nonce, h->challenge.mac);
+                       h->challenge.nonce, wire_, h->challenge.mac);
           h->send(h->challenge);
           h->expect(sizeof(Proof));
           error = h->pump();
@@ -436,6 +451,12 @@ void TcpTransport::connectMesh(KeyValueStore& store, const TcpOptions& options) 
         if (error.empty() && claimed.fd >= 0) error = "a second connection for one rank";
         if (error.empty()) {  // only an authenticated connection claims its rank
           claimed.fd = h->fd;
+          if (wire_ == kWireIntegrity) {
+            SessionKeys keys = sessionKeys(key, HandshakeRole::kAcceptor, h->hello, h->challenge.nonce);
+            claimed.sendMac = std::make_unique<HmacSha256>(keys.send, sizeof(keys.send));
+            claimed.recvMac = std::make_unique<HmacSha256>(keys.recv, sizeof(keys.recv));
+            std::memset(&keys, 0, sizeof(keys));
+          }
           h->fd = -1;
           --missingIn;
           set.incoming.erase(it);

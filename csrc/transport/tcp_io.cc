@@ -12,6 +12,7 @@
 
 #include <algorithm>
 
+#include "common/error.h"
 #include "common/stats.h"
 #include "common/thread_name.h"
 #include "transport/tcp_socket.h"
@@ -70,6 +71,7 @@ void TcpTransport::handleReadable(int peer, int k) {
           have = true;
         }
       }
+      if (have && s.recvMac) beginFrame(*s.recvMac, s.recvSequence++, FrameKind::kPayload);
       if (!have) {
         char byte;
         const ssize_t n = ::recv(s.fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
@@ -86,12 +88,17 @@ void TcpTransport::handleReadable(int peer, int k) {
       }
     }
     ssize_t n;
-    if (k == 0 && !s.inPayload) {
+    const char* landed = nullptr;  // where payload bytes went (for the frame MAC)
+    if (s.inTag) {
+      n = ::recv(s.fd, s.tag + s.tagGot, kFrameTagBytes - s.tagGot, MSG_DONTWAIT);
+    } else if (k == 0 && !s.inPayload) {
       n = ::recv(s.fd, reinterpret_cast<char*>(&s.header) + s.headerGot, sizeof(WireHeader) - s.headerGot,
                  MSG_DONTWAIT);
     } else if (s.current.message->discarding) {
+      landed = scratch.data();
       n = ::recv(s.fd, scratch.data(), std::min(scratch.size(), s.current.bytes - s.got), MSG_DONTWAIT);
     } else {
+      landed = s.current.message->dst + s.current.offset + s.got;
       n = ::recv(s.fd, s.current.message->dst + s.current.offset + s.got, s.current.bytes - s.got,
                  MSG_DONTWAIT);
     }
@@ -102,30 +109,76 @@ void TcpTransport::handleReadable(int peer, int k) {
       else failPeer(peer, errnoText(errno));
       return;
     }
-    if (k == 0 && !s.inPayload) {
+    const bool headerPhase = k == 0 && !s.inPayload;
+    if (s.inTag) {
+      s.tagGot += static_cast<size_t>(n);
+      if (s.tagGot < kFrameTagBytes) continue;
+      s.inTag = false;
+      s.tagGot = 0;
+      if (!checkFrameTag(peer, s)) return;
+      if (!headerPhase) {
+        finishStripe(peer, s);
+        continue;
+      }
+    } else if (headerPhase) {
       s.headerGot += static_cast<size_t>(n);
       if (s.headerGot < sizeof(WireHeader)) continue;
       s.headerGot = 0;
-      const std::string invalid = checkHeader(s.header);
-      if (!invalid.empty()) {
-        failPeer(peer, invalid);
-        return;
+      if (s.recvMac) {  // the header's tag first: nothing acts on a header before it checks
+        beginFrame(*s.recvMac, s.recvSequence++, FrameKind::kHeader);
+        s.recvMac->update(&s.header, sizeof(WireHeader));
+        s.inTag = true;
+        continue;
       }
-      ++p.messagesIn;
-      if (!matchIncoming(peer)) return;  // parked: retryParked() goes on from here
-      if (s.current.bytes == 0) finishStripe(peer, s);
-      else s.inPayload = true;
     } else {
+      if (s.recvMac) s.recvMac->update(landed, static_cast<size_t>(n));
       s.got += static_cast<size_t>(n);
-      if (s.got == s.current.bytes) finishStripe(peer, s);
+      if (s.got == s.current.bytes) {
+        if (s.recvMac) s.inTag = true;
+        else finishStripe(peer, s);
+      }
+      continue;
     }
+    // A whole header (and its tag, with wire integrity).
+    const std::string invalid = checkHeader(s.header);
+    if (!invalid.empty()) {
+      failPeer(peer, invalid);
+      return;
+    }
+    ++p.messagesIn;
+    if (!matchIncoming(peer)) return;  // parked: retryParked() goes on from here
+    startPayload(peer, s);
   }
+}
+
+void TcpTransport::startPayload(int peer, Stream& s) {
+  if (s.recvMac) {
+    beginFrame(*s.recvMac, s.recvSequence++, FrameKind::kPayload);
+    s.inPayload = true;
+    if (s.current.bytes == 0) s.inTag = true;  // an empty payload still has its tag
+    return;
+  }
+  if (s.current.bytes == 0) finishStripe(peer, s);
+  else s.inPayload = true;
+}
+
+bool TcpTransport::checkFrameTag(int peer, Stream& s) {
+  uint8_t expected[kFrameTagBytes];
+  s.recvMac->final(expected);
+  if (constantTimeEqual(expected, s.tag, kFrameTagBytes)) return true;
+  failPeer(peer,
+           strCat(rankName(rank_), " received bytes from ", rankName(peer), " (stream ", s.index, ", frame ",
+                  s.recvSequence - 1, ") that fail their integrity check: altered, dropped or replayed in transit; ",
+                  "the connection to ", rankName(peer), " is closed"),
+           true);
+  return false;
 }
 
 void TcpTransport::finishStripe(int peer, Stream& s) {
   std::shared_ptr<Inbound> message = std::move(s.current.message);
   s.current = Stripe{};
   s.inPayload = false;
+  s.inTag = false;
   s.got = 0;
   if (!message || message->stripesLeft.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   if (message->lost) failLostMessage(peer, message);  // another stream lost its stripe
@@ -148,22 +201,42 @@ void TcpTransport::handleWritable(int peer, int k) {
 
 std::string TcpTransport::flushSends(int peer, Stream& s, std::vector<RequestPtr>& done) {
   Peer& p = *peers_[peer];
+  HmacSha256* mac = s.sendMac.get();
+  const size_t tagBytes = mac ? kFrameTagBytes : 0;
   while (!s.sendQueue.empty()) {
     PendingSend& send = s.sendQueue.front();
-    iovec iov[2];
+    // On the wire: [header, its tag] (stream 0), payload, [its tag] (tags with wire integrity).
+    const size_t headerBytes = send.withHeader ? sizeof(WireHeader) + tagBytes : 0;
+    const size_t total = headerBytes + send.bytes + tagBytes;
+    if (mac && !send.macStarted) {
+      send.macStarted = true;
+      if (send.withHeader) {
+        beginFrame(*mac, s.sendSequence++, FrameKind::kHeader);
+        mac->update(&send.header, sizeof(WireHeader));
+        mac->final(send.headerTag);
+      }
+      beginFrame(*mac, s.sendSequence++, FrameKind::kPayload);
+    }
+    if (mac && !send.tagReady && send.macked == send.bytes) {
+      mac->final(send.payloadTag);
+      send.tagReady = true;
+    }
+    iovec iov[4];
     int count = 0;
-    const size_t headerBytes = send.withHeader ? sizeof(WireHeader) : 0;
-    if (send.written < headerBytes) {
-      iov[count].iov_base = reinterpret_cast<char*>(&send.header) + send.written;
-      iov[count].iov_len = headerBytes - send.written;
+    // The part of wire bytes [begin, end) not yet written, from `base`.
+    auto add = [&](const void* base, size_t begin, size_t end) {
+      if (send.written >= end || begin == end) return;
+      const size_t from = std::max(send.written, begin);
+      iov[count].iov_base = const_cast<char*>(static_cast<const char*>(base)) + (from - begin);
+      iov[count].iov_len = end - from;
       ++count;
+    };
+    if (send.withHeader) {
+      add(&send.header, 0, sizeof(WireHeader));
+      if (mac) add(send.headerTag, sizeof(WireHeader), headerBytes);
     }
-    const size_t payloadDone = send.written > headerBytes ? send.written - headerBytes : 0;
-    if (send.bytes > payloadDone) {
-      iov[count].iov_base = const_cast<char*>(send.data) + payloadDone;
-      iov[count].iov_len = send.bytes - payloadDone;
-      ++count;
-    }
+    add(send.data, headerBytes, headerBytes + send.bytes);
+    if (mac && send.tagReady) add(send.payloadTag, headerBytes + send.bytes, total);
     ssize_t n = 0;
     if (count > 0) {
       msghdr message{};
@@ -177,7 +250,15 @@ std::string TcpTransport::flushSends(int peer, Stream& s, std::vector<RequestPtr
       }
     }
     send.written += static_cast<size_t>(n);
-    if (send.written == headerBytes + send.bytes) {
+    if (mac) {  // the payload bytes just written, into its MAC (still in cache)
+      const size_t payloadDone =
+          send.written > headerBytes ? std::min(send.written - headerBytes, send.bytes) : 0;
+      if (payloadDone > send.macked) {
+        mac->update(send.data + send.macked, payloadDone - send.macked);
+        send.macked = payloadDone;
+      }
+    }
+    if (send.written == total) {
       std::shared_ptr<Outbound> message = std::move(send.message);
       s.sendQueue.pop_front();
       if (message->stripesLeft.fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -228,12 +309,24 @@ void TcpTransport::sendAbortNotices(const std::string& reason) {
     Stream& s = *p.streams[0];  // headers travel on stream 0
     std::lock_guard<std::mutex> lock(s.mutex);
     // Only between messages: a notice inside a half-written payload would be garbage.
-    if (s.fd < 0 || (!s.sendQueue.empty() && s.sendQueue.front().written > 0)) continue;
+    if (s.fd < 0 || (!s.sendQueue.empty() && (s.sendQueue.front().written > 0 || s.sendQueue.front().macStarted)))
+      continue;
     WireHeader header{kDataMagic, kFlagAbort, 0, text.size()};
-    iovec iov[2] = {{&header, sizeof(header)}, {const_cast<char*>(text.data()), text.size()}};
+    uint8_t headerTag[kFrameTagBytes], textTag[kFrameTagBytes];
+    if (s.sendMac) {  // the same frames as any message's, with their tags
+      beginFrame(*s.sendMac, s.sendSequence++, FrameKind::kHeader);
+      s.sendMac->update(&header, sizeof(header));
+      s.sendMac->final(headerTag);
+      beginFrame(*s.sendMac, s.sendSequence++, FrameKind::kPayload);
+      s.sendMac->update(text.data(), text.size());
+      s.sendMac->final(textTag);
+    }
+    iovec iov[4] = {{&header, sizeof(header)}, {headerTag, kFrameTagBytes},
+                    {const_cast<char*>(text.data()), text.size()}, {textTag, kFrameTagBytes}};
+    if (!s.sendMac) iov[1] = iov[2];
     msghdr message{};
     message.msg_iov = iov;
-    message.msg_iovlen = 2;
+    message.msg_iovlen = s.sendMac ? 4 : 2;
     ssize_t ignored = ::sendmsg(s.fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);  // best effort
     (void)ignored;
   }

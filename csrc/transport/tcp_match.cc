@@ -331,8 +331,7 @@ void TcpTransport::retryParked(int thread) {
       if (!p.failure.empty()) continue;  // its hang-up is handled by the I/O loop
     }
     if (!matchIncoming(peer)) continue;  // still no receive and no budget
-    if (s0.current.bytes == 0) finishStripe(peer, s0);
-    else s0.inPayload = true;
+    startPayload(peer, s0);
     handleReadable(peer, 0);  // what waited in the socket
   }
 }
@@ -423,6 +422,8 @@ void TcpTransport::detachStream(int peer, Stream& s) {
   std::shared_ptr<Inbound> current = std::move(s.current.message);
   s.current = Stripe{};
   s.inPayload = false;
+  s.inTag = false;
+  s.tagGot = 0;
   s.headerGot = 0;
   s.got = 0;
   if (current) dropStripe(peer, current);

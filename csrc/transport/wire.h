@@ -7,7 +7,7 @@
 //   connector -> acceptor  Hello     {magic, version, rank, size, peer, stream, group id, nonce_c}
 //   acceptor  -> connector Challenge {magic, version, nonce_a, MAC("acceptor", ...)}
 //   connector -> acceptor  Proof     {magic, MAC("connector", ...)}
-// where MAC(role, ...) = HMAC-SHA256(key, "pycomm/2 " role | group id | size |
+// where MAC(role, ...) = HMAC-SHA256(key, "pycomm/<kWireVersion> " role | group id | size |
 // connector rank | acceptor rank | nonce_c | nonce_a). The connector checks the
 // acceptor's MAC before it proves anything; the acceptor counts a connection as
 // rank r's only once its proof checks, so a claimant that cannot prove the key
@@ -17,7 +17,7 @@
 // its own handshake; `stream` says which one it is (rank 0 publishes the count).
 //
 // After that, each message is a WireHeader on stream 0 followed by its first
-// stripe; stripe k (k > 0) follows, without a header, on stream k, in the order
+// stripe (with wire integrity, each followed by its frame MAC, below); stripe k (k > 0) follows, without a header, on stream k, in the order
 // of the headers on stream 0. A message has stripeCount(bytes, streams) stripes
 // (one, the whole payload, for anything under 2 x kMinStripeBytes).
 // A header with kFlagAbort carries, as its payload, the reason the sender's
@@ -35,15 +35,24 @@ constexpr uint32_t kDataMagic = 0x50434d44;       // "PCMD"
 constexpr uint32_t kHelloMagic = 0x50434d48;      // "PCMH"
 constexpr uint32_t kChallengeMagic = 0x50434d43;  // "PCMC"
 constexpr uint32_t kProofMagic = 0x50434d50;      // "PCMP"
-// 3: several streams per pair (the hello's stream index). 2: challenge-response
-// handshake (1 sent the secret in the hello).
-constexpr uint32_t kWireVersion = 3;
+// 4: every frame authenticated under per-connection keys (wire integrity); the
+// hello says which wire mode the connector runs. 3: several streams per pair (the
+// hello's stream index). 2: challenge-response handshake (1 sent the secret in the hello).
+constexpr uint32_t kWireVersion = 4;
+// Wire modes (PYCOMM_WIRE), in the hello and in both handshake MACs, so ranks
+// that differ (or a relay that rewrote the hello) fail the handshake.
+constexpr uint32_t kWireNone = 0;       // frames as they are
+constexpr uint32_t kWireIntegrity = 1;  // every frame followed by its MAC
 constexpr uint32_t kFlagAbort = 1u << 0;
 constexpr uint32_t kKnownFlags = kFlagAbort;
 // Larger than any tensor a host can hold; bounds what a corrupt header can ask for.
 constexpr uint64_t kMaxMessageBytes = 1ull << 46;
 constexpr uint64_t kMaxAbortReasonBytes = 4096;
 constexpr size_t kSecretBytes = 16;   // the random secret rank 0 draws without PYCOMM_SECRET
+constexpr size_t kMinSecretBytes = 16;  // the shortest PYCOMM_SECRET accepted
+// PBKDF2-HMAC-SHA256 rounds that stretch PYCOMM_SECRET into the handshake key (salted
+// with the group id), so each offline guess at a weak secret costs this many HMACs.
+constexpr uint32_t kSecretStretchRounds = 20000;
 constexpr size_t kGroupIdBytes = 16;  // random per group (rank 0 draws it; not secret)
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;      // HMAC-SHA256
@@ -83,8 +92,10 @@ struct Hello {
   uint32_t stream;    // which of the pair's streams (< kMaxStreams)
   uint8_t group[kGroupIdBytes];
   uint8_t nonce[kNonceBytes];  // nonce_c
+  uint32_t wire;      // the connector's wire mode (kWireNone, kWireIntegrity)
+  uint32_t reserved;  // 0
 };
-static_assert(sizeof(Hello) == 56, "hello layout");
+static_assert(sizeof(Hello) == 64, "hello layout");
 
 struct Challenge {
   uint32_t magic;    // kChallengeMagic
@@ -102,17 +113,38 @@ struct Proof {
 static_assert(sizeof(Proof) == 40, "proof layout");
 
 // The key both ends of a connection prove they hold, derived from a secret
-// (PYCOMM_SECRET's text, or the store secret's bytes).
+// (PYCOMM_SECRET's text, stretched with PBKDF2 salted by the group id; or the
+// store secret's random bytes, not stretched).
 struct HandshakeKey {
   uint8_t bytes[kKeyBytes];
 };
-HandshakeKey handshakeKey(const void* secret, size_t bytes);
+HandshakeKey handshakeKey(const void* secret, size_t bytes, const uint8_t* group, bool stretch);
 
 enum class HandshakeRole { kAcceptor, kConnector };
 
-// What each side sends as its MAC (see the top of this file).
+// What each side sends as its MAC (see the top of this file); `wire` is the
+// sender's own wire mode.
 void handshakeMac(const HandshakeKey& key, HandshakeRole role, const uint8_t* group, int size, int connectorRank,
-                  int acceptorRank, const uint8_t* nonceC, const uint8_t* nonceA, uint8_t* mac);
+                  int acceptorRank, const uint8_t* nonceC, const uint8_t* nonceA, uint32_t wire, uint8_t* mac);
+
+// Per-connection keys of wire integrity, one per direction: HKDF-SHA256 of the
+// handshake key, salted with both nonces, bound to the group, both ranks and the
+// stream. A relay that forwarded the handshake knows the nonces but not the key.
+struct SessionKeys {
+  uint8_t send[kKeyBytes];
+  uint8_t recv[kKeyBytes];
+};
+SessionKeys sessionKeys(const HandshakeKey& key, HandshakeRole role, const Hello& hello, const uint8_t* nonceA);
+
+// Frame MACs (wire integrity): each frame (a header, or one stripe's payload) is
+// followed by HMAC-SHA256(session key, sequence number | kind | bytes), the
+// sequence number counting the frames of that direction of that stream, so a
+// frame altered, dropped, replayed or reordered fails its check.
+constexpr size_t kFrameTagBytes = kMacBytes;
+enum class FrameKind : uint8_t { kHeader = 1, kPayload = 2 };
+// Starts a frame's MAC on `mac` (a context keyed with the session key).
+class HmacSha256;
+void beginFrame(HmacSha256& mac, uint64_t sequence, FrameKind kind);
 
 // "" when the header may be acted on; otherwise what is wrong with it.
 std::string checkHeader(const WireHeader& header);

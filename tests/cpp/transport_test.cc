@@ -51,6 +51,23 @@ struct TcpTransportProbe {
   }
   static int socketsPerPeer(TcpTransport& t) { return t.socketsPerPeer_; }
   static int ioThreads(TcpTransport& t) { return static_cast<int>(t.io_.size()); }
+  // Writes `header` on stream 0 to `peer` as the transport would (with its frame
+  // tag under wire integrity), or with a wrong tag when `forge`; returns the bytes sent.
+  static ssize_t sendHeader(TcpTransport& t, int peer, WireHeader header, bool forge = false) {
+    auto& s = *t.peers_[peer]->streams[0];
+    std::lock_guard<std::mutex> lock(s.mutex);
+    uint8_t frame[sizeof(WireHeader) + kFrameTagBytes] = {};
+    std::memcpy(frame, &header, sizeof(header));
+    size_t bytes = sizeof(header);
+    if (s.sendMac) {
+      beginFrame(*s.sendMac, s.sendSequence++, FrameKind::kHeader);
+      s.sendMac->update(&header, sizeof(header));
+      s.sendMac->final(frame + sizeof(header));
+      if (forge) frame[sizeof(header)] ^= 1;
+      bytes += kFrameTagBytes;
+    }
+    return ::send(s.fd, frame, bytes, MSG_NOSIGNAL);
+  }
   // As the posting thread does when a send fails: off the I/O thread.
   static void failPeer(TcpTransport& t, int peer, const std::string& reason) { t.failPeer(peer, reason); }
 };
@@ -329,7 +346,7 @@ std::vector<TcpOptions> secrets(const std::vector<std::string>& texts) {
 // the store) and reads rank 0's challenge; returns the fd (-1 if no challenge came).
 int claimRankOne(MemoryStore& store) {
   int fd = connectTo(store.get("addr/0"));
-  Hello hello{kHelloMagic, kWireVersion, 1, 2, 0, 0, {}, {}};
+  Hello hello{kHelloMagic, kWireVersion, 1, 2, 0, 0, {}, {}, kWireIntegrity, 0};
   const std::string group = store.get("group");
   for (size_t i = 0; i < kGroupIdBytes; ++i)
     hello.group[i] = static_cast<uint8_t>(std::stoi(group.substr(2 * i, 2), nullptr, 16));
@@ -366,7 +383,7 @@ void unprovenClaimsBlockNobody() {
     ssize_t sent = ::send(wrong, &proof, sizeof(proof), MSG_NOSIGNAL);
     (void)sent;
     claimed = Clock::now();
-  }, secrets({"one secret", "one secret"}));
+  }, secrets({"one secret, long enough", "one secret, long enough"}));
   const double seconds = std::chrono::duration<double>(Clock::now() - claimed).count();
   expect(wrong >= 0 && holding >= 0, "impostors claiming rank 1 get a challenge (and nothing else)");
   expect(built.errors[0].empty() && built.errors[1].empty() && seconds < 3.0,
@@ -386,6 +403,17 @@ void unprovenClaimsBlockNobody() {
   ::close(holding);
 }
 
+// A job secret shorter than kMinSecretBytes is refused at construction, naming the
+// knob, before anything touches the network (a short secret is cheap to guess offline).
+void shortSecretsAreRefused() {
+  MemoryStore store(kStoreTimeout);
+  auto built = meshOrErrors(2, store, std::chrono::milliseconds(3000), {}, secrets({"fifteen bytes!!", "fifteen bytes!!"}));
+  expect(built.errors[0].find("PYCOMM_SECRET") != std::string::npos &&
+             built.errors[0].find("at least 16") != std::string::npos &&
+             built.errors[0].find("fifteen") == std::string::npos,
+         "a 15-byte secret is refused naming PYCOMM_SECRET, not showing it: " + built.errors[0]);
+}
+
 // Item: a secret that is not in the store. With the same secret on every rank
 // the group connects and the store holds nothing secret; a rank with another
 // secret fails at once naming the rank it could not authenticate, the others
@@ -394,11 +422,11 @@ void secretsOutsideTheStore() {
   {
     RecordingStore store(kStoreTimeout);
     auto built = meshOrErrors(3, store, std::chrono::milliseconds(10000), {},
-                              secrets({"correct horse", "correct horse", "correct horse"}));
+                              secrets({"correct horse battery staple", "correct horse battery staple", "correct horse battery staple"}));
     const std::string written = store.written();
     expect(built.errors[0].empty() && built.errors[1].empty() && built.errors[2].empty(),
            "three ranks with the same secret connect " + built.errors[0] + built.errors[1] + built.errors[2]);
-    expect(written.find("secret") == std::string::npos && written.find("correct horse") == std::string::npos &&
+    expect(written.find("secret") == std::string::npos && written.find("correct horse battery staple") == std::string::npos &&
                written.find("group=") != std::string::npos,
            "with a secret set, the store holds no secret key:\n" + written);
   }
@@ -413,7 +441,7 @@ void secretsOutsideTheStore() {
     const auto start = Clock::now();
     std::vector<double> took(3);
     auto built = meshOrErrors(3, store, std::chrono::milliseconds(3000), {},
-                              secrets({"alpha secret", "alpha secret", "beta secret"}));
+                              secrets({"alpha secret of the job", "alpha secret of the job", "beta secret of the job"}));
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     const std::string& odd = built.errors[2];
     expect(odd.find("rank 2 could not authenticate rank ") != std::string::npos &&
@@ -429,7 +457,7 @@ void secretsOutsideTheStore() {
   }
   {
     MemoryStore store(kStoreTimeout);
-    auto built = meshOrErrors(2, store, std::chrono::milliseconds(3000), {}, secrets({"", "a secret"}));
+    auto built = meshOrErrors(2, store, std::chrono::milliseconds(3000), {}, secrets({"", "a secret long enough"}));
     expect(built.errors[1].find("rank 1 has a job secret (PYCOMM_SECRET or PYCOMM_SECRET_FILE) but rank 0 has none") !=
                std::string::npos,
            "a secret on some ranks only is named at once: " + built.errors[1]);
@@ -446,7 +474,7 @@ void strayConnectionsAreRejected() {
     ssize_t sent = ::send(garbage, junk, sizeof(junk), MSG_NOSIGNAL);
     (void)sent;
     int impostor = connectTo(rank0);
-    Hello hello{kHelloMagic, kWireVersion, 1, 2, {}};
+    Hello hello{kHelloMagic, kWireVersion, 1, 2, 0, 0, {}, {}, kWireIntegrity, 0};
     sent = ::send(impostor, &hello, sizeof(hello), MSG_NOSIGNAL);
     int silent = connectTo(rank0);
     ::close(silent);
@@ -685,10 +713,8 @@ void hugeAnnouncementAllocatesNothing() {
   MemoryStore store(kStoreTimeout);
   auto transports = mesh(2, store);
   {
-    std::lock_guard<std::mutex> lock(TcpTransportProbe::sendMutex(*transports[1], 0));
-    WireHeader header{kDataMagic, 0, 5, 1ull << 40};
-    ssize_t sent = ::send(TcpTransportProbe::fd(*transports[1], 0), &header, sizeof(header), MSG_NOSIGNAL);
-    expect(sent == sizeof(header), "a raw header announcing 2^40 bytes is sent");
+    const ssize_t sent = TcpTransportProbe::sendHeader(*transports[1], 0, WireHeader{kDataMagic, 0, 5, 1ull << 40});
+    expect(sent >= static_cast<ssize_t>(sizeof(WireHeader)), "a raw header announcing 2^40 bytes is sent");
   }
   int value = 0;
   auto other = transports[0]->irecv(1, 6, &value, sizeof(value));
@@ -843,6 +869,42 @@ void unexpectedBudgetKeepsEveryMessage(int sockets, int ioThreads, size_t bytes)
   expect(ok && received == sent, "every message arrives intact, in any posting order" + streams);
 }
 
+// Wire integrity: a frame whose tag does not check (bytes altered in transit) fails
+// the receive waiting on that peer, naming it, and nothing is delivered; without
+// wire integrity (PYCOMM_WIRE=none) the same header is taken as it is.
+void alteredFramesFailNamingThePeer() {
+  {
+    MemoryStore store(kStoreTimeout);
+    auto transports = mesh(2, store);
+    int value = 0;
+    auto recv = transports[0]->irecv(1, 5, &value, sizeof(value));
+    TcpTransportProbe::sendHeader(*transports[1], 0, WireHeader{kDataMagic, 0, 5, sizeof(int)}, true);
+    const bool settled = recv->waitUntil(Clock::now() + std::chrono::seconds(10));
+    expect(settled && recv->failed() && recv->error().find("from rank 1") != std::string::npos &&
+               recv->error().find("integrity check") != std::string::npos,
+           "a header with a wrong tag fails the receive, naming rank 1: " + recv->error());
+  }
+  {
+    MemoryStore store(kStoreTimeout);
+    std::vector<TcpOptions> options(2);
+    for (auto& o : options) o.wire = kWireNone;
+    auto built = meshOrErrors(2, store, std::chrono::milliseconds(10000), {}, options);
+    int value = 0, sent = 42;
+    auto recv = built.transports[0]->irecv(1, 5, &value, sizeof(value));
+    TcpTransportProbe::sendHeader(*built.transports[1], 0, WireHeader{kDataMagic, 0, 5, sizeof(int)}, true);
+    ::send(TcpTransportProbe::fd(*built.transports[1], 0), &sent, sizeof(sent), MSG_NOSIGNAL);
+    expect(waitOk(recv) && value == 42, "with PYCOMM_WIRE=none the unauthenticated frame is taken (the control)");
+  }
+  {
+    MemoryStore store(kStoreTimeout);
+    std::vector<TcpOptions> options(2);
+    options[1].wire = kWireNone;
+    auto built = meshOrErrors(2, store, std::chrono::milliseconds(2000), {}, options);
+    expect(!built.errors[1].empty() && built.errors[0].find("PYCOMM_WIRE=none, this rank integrity") != std::string::npos,
+           "ranks with different wire modes do not connect: " + built.errors[0]);
+  }
+}
+
 // Empty messages that no receive has claimed cost nothing against the byte budget
 // but a record each: past maxUnexpectedMessages per peer the stream waits unread
 // (as past the byte budget), so a peer cannot make this rank allocate records
@@ -952,6 +1014,7 @@ int main() {
   connectorAuthenticatesTheAcceptor();
   unprovenClaimsBlockNobody();
   secretsOutsideTheStore();
+  shortSecretsAreRefused();
   abortNoticeNamesTheFirstFailure();
   sizeMismatchIsReported();
   receivesUpToTheBufferSize();
@@ -963,6 +1026,7 @@ int main() {
   hugeAnnouncementAllocatesNothing();
   unexpectedBudgetKeepsEveryMessage(1, 1, 768 << 10);
   emptyMessagesAreCounted();
+  alteredFramesFailNamingThePeer();
   failedPeerDetachesHalfReceivedMessage();
   stripedStreamsKeepEveryMessage();
   unexpectedBudgetKeepsEveryMessage(3, 2, (768 << 10) + 1);

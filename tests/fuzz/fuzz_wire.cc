@@ -32,7 +32,7 @@ const uint8_t kGroup[kGroupIdBytes] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 constexpr int kSize = 8;
 
 const HandshakeKey& fuzzKey() {
-  static const HandshakeKey key = handshakeKey(kSecretText, sizeof(kSecretText) - 1);
+  static const HandshakeKey key = handshakeKey(kSecretText, sizeof(kSecretText) - 1, kGroup, false);
   return key;
 }
 
@@ -56,9 +56,9 @@ void checkHandshake(const Hello& hello, const Challenge& challenge, const Proof&
   // The connector's view: it sent `hello`, got `challenge`.
   uint8_t acceptorMac[kMacBytes], connectorMac[kMacBytes];
   handshakeMac(key, HandshakeRole::kAcceptor, hello.group, hello.size, hello.rank, hello.peer, hello.nonce,
-               challenge.nonce, acceptorMac);
+               challenge.nonce, hello.wire, acceptorMac);
   handshakeMac(key, HandshakeRole::kConnector, hello.group, hello.size, hello.rank, hello.peer, hello.nonce,
-               challenge.nonce, connectorMac);
+               challenge.nonce, hello.wire, connectorMac);
   check(std::memcmp(acceptorMac, connectorMac, kMacBytes) != 0, "the two roles' MACs differ");
   const bool challengeOk = checkChallenge(challenge, hello, key).empty();
   check(challengeOk == (challenge.magic == kChallengeMagic && challenge.version == kWireVersion &&
@@ -133,10 +133,10 @@ int main(int argc, char** argv) {
       Challenge challenge{kChallengeMagic, kWireVersion, {}, {}};
       for (auto& b : challenge.nonce) b = static_cast<uint8_t>(next());
       handshakeMac(fuzzKey(), HandshakeRole::kAcceptor, hello.group, hello.size, hello.rank, hello.peer,
-                   hello.nonce, challenge.nonce, challenge.mac);
+                   hello.nonce, challenge.nonce, hello.wire, challenge.mac);
       Proof proof{kProofMagic, 0, {}};
       handshakeMac(fuzzKey(), HandshakeRole::kConnector, hello.group, hello.size, hello.rank, localRank,
-                   hello.nonce, challenge.nonce, proof.mac);
+                   hello.nonce, challenge.nonce, hello.wire, proof.mac);
       std::memcpy(buffer, &hello, sizeof(hello));
       std::memcpy(buffer + sizeof(Hello), &challenge, sizeof(challenge));
       std::memcpy(buffer + sizeof(Hello) + sizeof(Challenge), &proof, sizeof(proof));
