@@ -41,7 +41,7 @@ test-fast: install
 bench: install
 	$(PYTHON) -m pycomm.bench -n 2 -b 8 -e 64M -f 4
 
-# Compile check of the CUDA kernels (no GPU needed; tests/test_kernels.py runs the same).
+# Compile check of the CUDA kernels (no GPU needed; tests/kernels/test_kernels.py runs the same).
 NVCC ?= nvcc
 check-cuda:
 	@for f in csrc/kernels/cuda/*.cu; do \
@@ -71,13 +71,13 @@ ASAN_ENV = LD_PRELOAD="$$($(CXX_ASAN) -print-file-name=libasan.so) $$($(CXX_ASAN
 # shared-memory arena's failure cases, the algorithms over loopback. Left out: the
 # test of where the scheduler puts crowded ranks, which counts placements per call
 # and misses its margin at the sanitizers' speed (it checks no memory).
-ASAN_TESTS ?= tests/test_failures.py tests/test_errors.py tests/test_fuzz.py tests/test_transport_cpp.py \
-	tests/test_bootstrap_cpp.py tests/test_shm.py tests/test_algorithms.py \
-	--deselect tests/test_shm.py::test_crowded_ranks_spread_over_their_cpus
+ASAN_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tests/backend/test_fuzz.py tests/transport/test_transport_cpp.py \
+	tests/transport/test_bootstrap_cpp.py tests/transport/test_shm.py tests/algorithms/test_algorithms.py \
+	--deselect tests/transport/test_shm.py::test_crowded_ranks_spread_over_their_cpus
 # CI's share (.ci/run, after `make test`): sized so the whole CI stays well under 90 min;
 # the placement test runs the tree credits and the sharded posting under the sanitizers.
-ASAN_CI_TESTS ?= tests/test_failures.py tests/test_errors.py tests/test_fuzz.py tests/test_transport_cpp.py \
-	tests/test_bootstrap_cpp.py tests/test_placement_cpp.py
+ASAN_CI_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tests/backend/test_fuzz.py tests/transport/test_transport_cpp.py \
+	tests/transport/test_bootstrap_cpp.py tests/transport/test_placement_cpp.py
 
 asan-build:
 	PYCOMM_SANITIZE=$(SANITIZE) $(PYTHON) setup.py build_ext --build-temp $(ASAN_DIR)/temp --build-lib $(ASAN_DIR)/lib

@@ -29,6 +29,6 @@ timeout 150 python3 -m pytest -q -rs -p no:cacheprovider --timeout 100 -m gpu te
 timeout 60 python3 benchmarks/kernels_cuda.py --quick > "$out/kernels_quick.txt" 2>&1; echo "kernels_cuda --quick: exit $?"
 timeout 150 python3 benchmarks/kernels_cuda.py --allreduce-timeout 100 --json "$out/kernels_cuda.json" \
   > "$out/kernels_cuda.txt" 2>&1; echo "kernels_cuda: exit $?"
-timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/test_kernels.py tests/test_cuda_build.py \
-  tests/test_collectives.py tests/test_hooks.py tests/test_hooks_unused.py tests/test_errors.py 2>&1 \
+timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/kernels/test_kernels.py tests/kernels/test_cuda_build.py \
+  tests/backend/test_collectives.py tests/hooks/test_hooks.py tests/hooks/test_hooks_unused.py tests/backend/test_errors.py 2>&1 \
   | tee "$out/cpu_tests.log" | tail -5

@@ -163,8 +163,8 @@ fi
 
 if want cpu-tests && [ "${SCALE_SKIP_CUDA:-0}" != 1 ] && [ "${SCALE_NO_BUILD:-0}" != 1 ]; then
   step "CPU-side tests of the CUDA build"
-  timeout $(left 200) python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/test_kernels.py \
-    tests/test_cuda_build.py tests/test_hooks.py tests/test_errors.py 2>&1 | tee "$out/cpu_tests.log" | tail -4
+  timeout $(left 200) python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/kernels/test_kernels.py \
+    tests/kernels/test_cuda_build.py tests/hooks/test_hooks.py tests/backend/test_errors.py 2>&1 | tee "$out/cpu_tests.log" | tail -4
 fi
 ip netns list 2>/dev/null | grep -E "^pcm" && echo "WARNING: namespaces left behind"
 step "done"

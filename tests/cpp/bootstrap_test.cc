@@ -1,6 +1,6 @@
 // Torch-free tests of a group's bootstrap (transport/bootstrap.h): ranks as
 // threads of one process over memory_store.h. Built and run by
-// tests/test_bootstrap_cpp.py; prints one line per check, exits non-zero on failure.
+// tests/transport/test_bootstrap_cpp.py; prints one line per check, exits non-zero on failure.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -3,7 +3,7 @@
 // headers that each pass checkCooHeader but whose sum wraps 2^64 (the ring relays
 // other ranks' headers, so one rank can send any of them) give an error naming the
 // rank that announced the most, never a small buffer. Built and run by
-// tests/test_bounds_cpp.py; prints one line per check, exits non-zero on failure.
+// tests/transport/test_bounds_cpp.py; prints one line per check, exits non-zero on failure.
 #include <cstdint>
 #include <iostream>
 #include <string>

@@ -4,7 +4,7 @@
 // request the collective posted is recorded; once the collective has returned or
 // thrown, none may still be pending: a pending receive is one the transport's
 // I/O thread could still write into after the collective's locals are gone.
-// Built and run by tests/test_failure_cpp.py; one line per check.
+// Built and run by tests/transport/test_failure_cpp.py; one line per check.
 #include <atomic>
 #include <chrono>
 #include <cstring>

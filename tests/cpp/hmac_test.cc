@@ -2,7 +2,7 @@
 // published test vectors: NIST's SHA-256 examples (FIPS 180-4 / CSRC "SHA_All"
 // and the one-million-'a' message), RFC 4231's HMAC-SHA256 cases 1-7, RFC 5869's
 // HKDF-SHA256 case 1, and PBKDF2-HMAC-SHA256 (RFC 7914 section 11's case 1 and the
-// widely published password/salt cases). Built and run by tests/test_hmac_cpp.py;
+// widely published password/salt cases). Built and run by tests/transport/test_hmac_cpp.py;
 // prints one line per check, exits non-zero on failure.
 #include <iostream>
 #include <string>

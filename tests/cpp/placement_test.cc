@@ -19,7 +19,7 @@
 // credit, so nothing may be buffered. Before the ring's credits 2.1, 4.9-5.9 and
 // 9.7-10.0 MB arrived early on 2, 3 and 4 ranks (a left neighbour runs ahead of
 // a rank that has not started, and of the ranks behind it).
-// Built and run by tests/test_placement_cpp.py; one line per check.
+// Built and run by tests/transport/test_placement_cpp.py; one line per check.
 #include <chrono>
 #include <functional>
 #include <iostream>

@@ -1,5 +1,5 @@
 // Torch-free tests of the TCP transport, several ranks as threads of one
-// process. Built and run by tests/test_transport_cpp.py; prints one line per
+// process. Built and run by tests/transport/test_transport_cpp.py; prints one line per
 // check and exits non-zero on the first failure.
 #include <algorithm>
 #include <arpa/inet.h>

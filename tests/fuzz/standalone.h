@@ -1,5 +1,5 @@
 // What the fuzz targets' standalone drivers share (PYCOMM_FUZZ_STANDALONE: machines
-// without libFuzzer, where tests/test_fuzz.py builds each target with its own main).
+// without libFuzzer, where tests/backend/test_fuzz.py builds each target with its own main).
 #pragma once
 
 #include <cstddef>

@@ -361,7 +361,7 @@ def test_calibrate_and_cache(tmp_path):
 
 def _recorded(name):
     """{(algo, bytes): seconds} of a committed pycomm-bench --hosts run (benchmarks/results)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", name)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", name)
     with open(path) as handle:
         data = json.load(handle)
     return data["meta"], {(r["algo"], r["size_bytes"]): r["time_us"] * 1e-6 for r in data["rows"] if not r["peer"]}

@@ -45,7 +45,7 @@ CASES = {
     # an output whose elements share memory cannot take the result back)
     "all_reduce on an expand()ed tensor": (
         "allreduce", lambda: dist.all_reduce(torch.ones(1, 4).expand(4, 4), async_op=True)),
-    # sparse tensors: all_reduce takes them with SUM/AVG (tests/test_sparse_allreduce.py)
+    # sparse tensors: all_reduce takes them with SUM/AVG (tests/algorithms/test_sparse_allreduce.py)
     "all_reduce sparse MAX": (
         "allreduce", lambda: dist.all_reduce(torch.ones(4).to_sparse(), op=dist.ReduceOp.MAX, async_op=True)),
     "all_reduce BAND float32": (
@@ -68,7 +68,7 @@ CASES = {
     "all_reduce unsupported dtype uint16": (
         "allreduce", lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16), async_op=True)),
     "all_reduce unsupported dtype complex64 (ProcessGroup API)": ("allreduce", _direct_allreduce_complex),
-    # (complex SUM / AVG are reduced as (re, im) pairs: tests/test_dtype_parity.py)
+    # (complex SUM / AVG are reduced as (re, im) pairs: tests/kernels/test_dtype_parity.py)
     "reduce_scatter_tensor complex64 MAX": (
         "reducescatter", lambda: dist.reduce_scatter_tensor(torch.zeros(4, dtype=torch.complex64),
                                                            torch.ones(4 * WORLD, dtype=torch.complex64),

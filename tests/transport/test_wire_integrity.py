@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ELEMENTS = 1 << 20  # 4 MiB of float32
 FLIP_AT = 104 + (1 << 20)  # past the connector's hello (64) and proof (40), 1 MiB into its stream
 

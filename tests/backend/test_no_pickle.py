@@ -15,7 +15,7 @@ import pytest
 
 from mp_util import run_multiprocess
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pycomm")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "pycomm")
 
 OBJECT_COLLECTIVES = {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
                       "send_object_list", "recv_object_list", "all_to_all_object"}

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
 
 

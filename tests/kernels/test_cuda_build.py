@@ -4,7 +4,7 @@
   defined, against torch's headers (the c10/cuda ones ship with the CPU wheel too)
   and the CUDA toolkit's, with g++ -fsyntax-only: the code that only a CUDA build
   compiles cannot rot unseen. Skipped when nvcc's toolkit headers or torch's
-  c10/cuda headers are absent. (The kernels themselves: tests/test_kernels.py.)
+  c10/cuda headers are absent. (The kernels themselves: tests/kernels/test_kernels.py.)
 * setup.py's choice of build: PYCOMM_BUILD_CUDA=1 with a CPU torch fails clearly;
   the CPU build's sources leave out every CUDA file.
 """
@@ -21,7 +21,7 @@ import torch
 
 import pycomm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cuda_include_dir():

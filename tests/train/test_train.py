@@ -330,7 +330,7 @@ def test_register_hook_example_in_docs_runs():
     TopKState does not take)."""
     from pycomm.hooks import TopKState, topk_hook
 
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md")).read()
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "training.md")).read()
     example = re.search(r"```python\n(from pycomm.train import register_hook\n.*?)```", text, re.S).group(1)
     builtin = strategies._BUILTIN_HOOKS["topk"]
     try:

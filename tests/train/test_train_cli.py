@@ -13,7 +13,7 @@ import pytest
 
 from pycomm.train.plot import read_log
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _TIMEOUT_S = 180
 
 

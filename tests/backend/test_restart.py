@@ -14,7 +14,7 @@ import torch
 
 from netns_util import run_bounded
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "torchrun_restart.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "torchrun_restart.py"
 STEPS, EVERY, KILL_AT = 24, 5, 12  # last checkpoint before the kill: step 10
 
 

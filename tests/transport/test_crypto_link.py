@@ -9,7 +9,7 @@ import pytest
 
 import pycomm._C
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_extension_links_libcrypto():

@@ -148,7 +148,7 @@ def test_fsdp_tp_pp_match_single_process_on_two_ranks():
     adamw = rets[0]["fsdp_adamw"]["memory"]
     mlp = refs["ref_mlp16_adamw"]["params"].numel() * 4
     assert sum(m["optimizer"] for m in adamw) == 2 * mlp  # exp_avg and exp_avg_sq, sharded
-    # peak-RSS growth (measured, tests/test_train_memory.py): ddp, the first run in the
+    # peak-RSS growth (measured, tests/train/test_train_memory.py): ddp, the first run in the
     # process, touches the shared-memory arena's pages for the first time; a later run of 3
     # steps may reuse pages an earlier one left resident and add none (never below 0, by
     # construction); every rank reports it, in bytes (under 1 GiB for this 0.3 MiB model)

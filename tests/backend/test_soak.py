@@ -10,7 +10,7 @@ import pytest
 
 from netns_util import run_bounded
 
-SOAK = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+SOAK = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -8,7 +8,7 @@
   CPU time stays far below the wall time they wait), ranks whose peer is 1 ms late
   poll instead of sleeping, and ranks crowded 3:1 on two CPUs spread 2:2 (a rank
   the user pinned is never moved).
-* A rank stalled or silent is named in the timeout (tests/test_failures.py kills a
+* A rank stalled or silent is named in the timeout (tests/backend/test_failures.py kills a
   rank mid-collective on both paths), and nothing is left in /dev/shm.
 """
 import os

@@ -25,7 +25,7 @@ import torch
 
 from pycomm._C import kernels as K
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEVELS = {8: 127, 4: 7}
 
 
