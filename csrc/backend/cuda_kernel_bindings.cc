@@ -1,5 +1,5 @@
 // CUDA tensors -> csrc/kernels/cuda/ (see cuda_kernels.h). Compiled only into the
-// CUDA build; tests/test_cuda.py validates it where a GPU is lent. What has run
+// CUDA build; tests/kernels/test_cuda.py validates it where a GPU is lent. What has run
 // where: docs/architecture.md, "CUDA".
 #include "backend/cuda_kernels.h"
 

@@ -1,7 +1,7 @@
 // CUDA tensors through the CPU collectives: the first, simple path, the CUDA
 // device seam (device_seam.h). Compiled only into the CUDA build (PYCOMM_WITH_CUDA),
 // where cuda_staging.cc registers it for c10::DeviceType::CUDA while the extension
-// loads; tests/test_cuda.py validates it where a GPU is lent. What has run where:
+// loads; tests/kernels/test_cuda.py validates it where a GPU is lent. What has run where:
 // docs/architecture.md, "CUDA".
 //
 // ProcessGroupPycomm's entry points declare their tensors by role; a call whose

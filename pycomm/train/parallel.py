@@ -19,7 +19,7 @@
 Data: the batch of a step is ``batch_size`` samples per *data-parallel replica* (all
 ranks for ddp / fsdp, none for tp / pp, the "dp" dimension for the hybrids), drawn by a
 DistributedSampler over the replicas, so a run equals single-process training on
-``batch_size x replicas`` samples per step (tests/test_train_parallel.py checks it).
+``batch_size x replicas`` samples per step (tests/train/test_train_parallel.py checks it).
 
 The model-parallel modes (everything but ddp) run strategy ``sync`` on the CPU in fp32;
 they have no comm hook (gradients are reduced by FSDP2 / DTensor / the pipeline), no
