@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci
+.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci test-integrations
 
 install:
 	$(PIP) install --quiet torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
@@ -75,6 +75,17 @@ test-asan: asan-build
 
 test-asan-ci: asan-build
 	$(ASAN_ENV) $(PYTHON) -m pytest -q $(ASAN_CI_TESTS)
+
+# The recipes of docs/integrations.md (Accelerate, the transformers Trainer, Lightning,
+# Ray Train, DeepSpeed, torchrun elastic), each on 2 processes against gloo. The clients
+# go into a venv of their own over the system's packages (torch, pycomm), pinned in
+# tests/integrations/constraints.txt; the main suite does not collect tests/integrations.
+INTEGRATIONS_VENV := $(CURDIR)/.venv-integrations
+test-integrations: install
+	test -x $(INTEGRATIONS_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(INTEGRATIONS_VENV)
+	$(INTEGRATIONS_VENV)/bin/python -m pip install --quiet -r tests/integrations/requirements.txt \
+	  -c tests/integrations/constraints.txt
+	PYCOMM_INTEGRATIONS=1 $(INTEGRATIONS_VENV)/bin/python -m pytest -q --durations=20 tests/integrations
 
 clean:
 	rm -rf build build-asan *.egg-info pycomm/_C*.so
