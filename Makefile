@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs
+.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs test-integrations
 
 # `make install` does nothing when nothing it depends on changed: the stamp is newer than
 # the C++ sources, setup.py and this file, and the extension is in place. Otherwise pip
@@ -104,6 +104,17 @@ DOCS_PIP := mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstring
 docs:
 	$(PIP) install --quiet $(DOCS_PIP)
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+
+# The recipes of docs/integrations.md (Accelerate, the transformers Trainer, Lightning,
+# Ray Train, DeepSpeed, torchrun elastic), each on 2 processes against gloo. The clients
+# go into a venv of their own over the system's packages (torch, pycomm), pinned in
+# tests/integrations/constraints.txt; the main suite does not collect tests/integrations.
+INTEGRATIONS_VENV := $(CURDIR)/.venv-integrations
+test-integrations: install
+	test -x $(INTEGRATIONS_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(INTEGRATIONS_VENV)
+	$(INTEGRATIONS_VENV)/bin/python -m pip install --quiet -r tests/integrations/requirements.txt \
+	  -c tests/integrations/constraints.txt
+	PYCOMM_INTEGRATIONS=1 $(INTEGRATIONS_VENV)/bin/python -m pytest -q --durations=20 tests/integrations
 
 clean:
 	rm -rf build build-asan site *.egg-info pycomm/_C*.so

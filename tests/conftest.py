@@ -20,6 +20,11 @@ import torch
 
 SANITIZER_LOGS = os.environ.get("PYCOMM_SANITIZER_LOGS")
 
+# tests/integrations run the frameworks users launch from (Accelerate, Lightning, Ray,
+# ...), which the main environment does not have: `make test-integrations` installs them
+# in a venv of its own and sets PYCOMM_INTEGRATIONS=1.
+collect_ignore = [] if os.environ.get("PYCOMM_INTEGRATIONS") == "1" else ["integrations"]
+
 # The built-in cost-model constants, whatever this host has cached (python -m
 # pycomm.plan --calibrate): tests that check auto's choices expect them. Tests of the
 # cache pass their own environment (test_plan.py).
