@@ -36,7 +36,7 @@ test: install
 	$(PYTHON) -m pytest -q --durations=25 tests
 
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q --durations=25 -m "not slow" tests
 
 bench: install
 	$(PYTHON) -m pycomm.bench -n 2 -b 8 -e 64M -f 4
@@ -72,12 +72,14 @@ ASAN_ENV = LD_PRELOAD="$$($(CXX_ASAN) -print-file-name=libasan.so) $$($(CXX_ASAN
 # test of where the scheduler puts crowded ranks, which counts placements per call
 # and misses its margin at the sanitizers' speed (it checks no memory).
 ASAN_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tests/backend/test_fuzz.py tests/transport/test_transport_cpp.py \
-	tests/transport/test_bootstrap_cpp.py tests/transport/test_shm.py tests/algorithms/test_algorithms.py \
+	tests/transport/test_bootstrap_cpp.py tests/transport/test_bounds_cpp.py tests/transport/test_wire_integrity.py \
+	tests/transport/test_shm.py tests/algorithms/test_algorithms.py \
 	--deselect tests/transport/test_shm.py::test_crowded_ranks_spread_over_their_cpus
 # CI's share (.ci/run, after `make test`): sized so the whole CI stays well under 90 min;
 # the placement test runs the tree credits and the sharded posting under the sanitizers.
 ASAN_CI_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tests/backend/test_fuzz.py tests/transport/test_transport_cpp.py \
-	tests/transport/test_bootstrap_cpp.py tests/transport/test_placement_cpp.py
+	tests/transport/test_bootstrap_cpp.py tests/transport/test_placement_cpp.py tests/transport/test_bounds_cpp.py \
+	tests/transport/test_wire_integrity.py
 
 asan-build:
 	PYCOMM_SANITIZE=$(SANITIZE) $(PYTHON) setup.py build_ext --build-temp $(ASAN_DIR)/temp --build-lib $(ASAN_DIR)/lib

@@ -14,9 +14,20 @@ harness looks at).
 PYCOMM_COST_MODEL defaults to "default" here (below).
 """
 import os
+import sys
 
 import pytest
 import torch
+
+# Test modules share helpers across the layer folders (`from test_hooks import _Bucket`):
+# every folder goes on the path, whichever of them a run collects. Basenames are unique
+# (tests/test_suite_marks.py), so a name means one file.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _name in sorted(os.listdir(_TESTS)):
+    _folder = os.path.join(_TESTS, _name)
+    if os.path.isdir(_folder) and _name not in ("cpp", "fuzz", "integrations") and not _name.startswith((".", "_")):
+        if _folder not in sys.path:
+            sys.path.append(_folder)
 
 SANITIZER_LOGS = os.environ.get("PYCOMM_SANITIZER_LOGS")
 
@@ -62,7 +73,41 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
+# The end-to-end tests `make test-fast` leaves out (`-m "not slow"`); `make test` and CI run
+# them all. Whole modules whose every test starts ranks across namespaces, kills them,
+# builds C++ or runs a command-line tool end to end, and single tests of that kind from
+# the other modules ("module::function", every parameter). Chosen from the suite's
+# --durations; a test marked @pytest.mark.slow in its file counts too.
+SLOW_MODULES = frozenset({
+    "test_failures", "test_multihost", "test_cuda_build", "test_hooks_unused", "test_hooks_checkpoint",
+    "test_engines", "test_ddp_sparse", "test_lowrank", "test_bench_hosts", "test_compression_benchmark",
+    "test_mp_util", "test_fuzz", "test_soak", "test_chaos", "test_restart", "test_train_cli", "test_launch",
+    "test_large", "test_placement_cpp", "test_failure_cpp", "test_streams", "test_observability",
+    "test_torch_hooks", "test_dtype_parity", "test_hooks_schedule", "test_hooks_hosts", "test_ddp",
+})
+SLOW_TESTS = frozenset({
+    "test_plan::test_calibrate_and_cache", "test_plan::test_validate_across_namespaces",
+    "test_plan::test_cli_predicts_without_a_calibration",
+    "test_bench::test_cli_usage_errors", "test_bench::test_demo", "test_bench::test_call_cost_script_reports_every_rank",
+    "test_bench::test_cli_tcp_reference_line", "test_bench::test_latency_floor_script_prints_each_kind",
+    "test_bench::test_call_cost_threads_names_pycomm_threads", "test_bench::test_cli_pycomm_vs_gloo",
+    "test_bench::test_cli_harness_on_gloo", "test_bench::test_cli_compressed_columns",
+    "test_bench::test_cli_auto_int32_max", "test_bench::test_cli_tcp_reference_uses_the_groups_streams",
+    "test_hooks::test_hooks_on_gloo", "test_kernels::test_cuda_kernels_compile_with_nvcc",
+    "test_kernels::test_cpu_kernels_build_without_torch", "test_train_async::test_cli_runs_both",
+    "test_sparse_allreduce::test_sparse_shape_mismatch_fails_naming_ranks", "test_shm::test_arena_that_cannot_be_made",
+})
+
+
+def _is_slow(item) -> bool:
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    return module in SLOW_MODULES or f"{module}::{item.originalname}" in SLOW_TESTS
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="no CUDA device visible to torch")
