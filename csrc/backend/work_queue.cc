@@ -200,6 +200,7 @@ std::string ProcessGroupPycomm::exchangeProgress(uint64_t seq, bool compare) {
   struct Shared {
     std::mutex mutex;
     std::condition_variable cv;
+    bool published = false;  // this rank's report is in the store (or the store failed)
     bool done = false;
     std::vector<ProgressReport> reports;
   };
@@ -212,6 +213,11 @@ std::string ProcessGroupPycomm::exchangeProgress(uint64_t seq, bool compare) {
     try {
       const std::string value = encodeProgress(mine);
       store->set(prefix + std::to_string(me), std::vector<uint8_t>(value.begin(), value.end()));
+      {
+        std::lock_guard<std::mutex> lock(shared->mutex);
+        shared->published = true;
+      }
+      shared->cv.notify_all();
       const auto deadline = Clock::now() + grace;
       int missing = n - 1;
       while (compare && missing > 0 && Clock::now() < deadline) {
@@ -229,11 +235,17 @@ std::string ProcessGroupPycomm::exchangeProgress(uint64_t seq, bool compare) {
     }
     std::lock_guard<std::mutex> lock(shared->mutex);
     shared->reports = std::move(reports);
-    shared->done = true;
+    shared->published = shared->done = true;
     shared->cv.notify_all();
   }).detach();
-  if (!compare) return "";
   std::unique_lock<std::mutex> lock(shared->mutex);
+  if (!compare) {
+    // Publish before the failure reaches the caller: a rank whose caller then leaves
+    // (and with it, for torch's TCPStore, the store it hosts) would otherwise be named
+    // by the rank that compares as one that never reached the call.
+    shared->cv.wait_for(lock, grace, [&] { return shared->published; });
+    return "";
+  }
   if (!shared->cv.wait_for(lock, grace + std::chrono::milliseconds(500), [&] { return shared->done; }))
     return "flight recorder: the store did not answer in time to compare the ranks' progress";
   std::vector<std::string> names;
