@@ -48,6 +48,7 @@ import os
 import pickle
 import shutil
 import struct
+import subprocess
 import tempfile
 import threading
 import time
@@ -56,7 +57,7 @@ from typing import Any, Callable
 
 import pytest
 
-__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port"]
+__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all"]
 
 # Default wall-clock limit for one spawned run (all ranks together).
 DEFAULT_RUN_TIMEOUT_S = 180.0
@@ -187,6 +188,24 @@ class _Receiver:
             return f"{len(self.buffer)} bytes of a message header arrived"
         (size,) = _HEADER.unpack_from(self.buffer)
         return f"{len(self.buffer) - _HEADER.size} of {size} bytes arrived"
+
+
+def communicate_all(procs, timeout_s: float) -> list:
+    """``(returncode, stdout, stderr)`` of each ``subprocess.Popen`` of ``procs`` (text pipes),
+    all within one deadline of ``timeout_s``; at the deadline every one is killed and the
+    test fails with the tail of each one's stderr."""
+    deadline = time.monotonic() + timeout_s
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [p.communicate()[1] or "" for p in procs]
+        pytest.fail(f"processes still running after {timeout_s} s: " + "\n".join(t[-2000:] for t in tails))
+    return results
 
 
 def wait_for_files(paths, limit_s: float) -> bool:

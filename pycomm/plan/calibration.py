@@ -54,8 +54,8 @@ CALIBRATION_ROUNDS = 3  # sweeps per calibration, each size's median kept
 def _median_points(runs: Sequence[Sequence[Tuple[float, float]]]) -> List[Tuple[float, float]]:
     """(bytes, seconds) per size: the median over ``runs`` of the same sweep (sizes
     missing from a run count from the others). One sweep on a shared host can move a
-    lot from the next (docs/planner.md, "One run, and how much this VM moves"); the
-    median of three keeps one slow or fast sweep out of the fit."""
+    lot from the next (benchmarks/results/planner_runs.md); the median of three keeps
+    one slow or fast sweep out of the fit."""
     by_size: Dict[float, List[float]] = {}
     for run in runs:
         for size, seconds in run:

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import time
 
 import pytest
+from mp_util import communicate_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
@@ -35,18 +35,7 @@ def _run_ranks(script, world, tmp_path, env=None, timeout_s=120):
         e = dict(env or _env(), RANK=str(rank), WORLD_SIZE=str(world), RDZV=f"file://{tmp_path}/rdzv")
         procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=e, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout_s
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        outs = [p.communicate() for p in procs]
-        pytest.fail(f"ranks still running after {timeout_s} s: " + "\n".join(o[1][-2000:] for o in outs))
-    return results
+    return communicate_all(procs, timeout_s)
 
 
 def _entry_point_installed():

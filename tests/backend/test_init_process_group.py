@@ -2,13 +2,12 @@
 pycomm one exists, and refuses one of another backend, naming it. Fresh interpreters
 (the default group is per process); 2 ranks over env://, as a launcher sets it up."""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from mp_util import communicate_all, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,14 +43,8 @@ SCRIPT = """
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(case, world, timeout_s=120):
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -59,21 +52,10 @@ def _run(case, world, timeout_s=120):
         env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT), case], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout_s
     results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, err[-3000:]
-            results.append(out)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"ranks still running after {timeout_s} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for returncode, out, err in communicate_all(procs, timeout_s):
+        assert returncode == 0, err[-3000:]
+        results.append(out)
     return results
 
 
