@@ -20,12 +20,16 @@ $(STAMP): $(SOURCES)
 	@test -f /usr/include/openssl/evp.h || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libssl-dev; }
 	$(PIP) install --quiet $(DEPS)
-	$(PIP) install --quiet --no-build-isolation -e .
+	@# setup.py imports torch: with autoload off, a stale install of pycomm (its folder gone)
+	@# cannot stop torch from loading while the new one is built.
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PIP) install --quiet --no-build-isolation -e .
 	@mkdir -p $(dir $@) && touch $@
 
-# A missing extension (make clean, a fresh clone) or a python without pycomm installed
-# always rebuilds, whatever the stamp says.
-ifneq ($(shell $(PYTHON) -c "import pycomm._C" 2>/dev/null && echo ok),ok)
+# A missing extension (make clean, a fresh clone), a python without pycomm installed, or
+# one whose installed pycomm is another checkout's (an editable install of a folder since
+# moved or deleted: torch's backend autoload then fails every `import torch`) always
+# rebuilds, whatever the stamp says. Checked from / so that this folder is not on the path.
+ifneq ($(shell cd / && $(PYTHON) -c "import pycomm._C, pycomm; assert pycomm.__file__.startswith('$(CURDIR)/')" 2>/dev/null && echo ok),ok)
 .PHONY: $(STAMP)
 endif
 

@@ -84,6 +84,7 @@ SLOW_MODULES = frozenset({
     "test_mp_util", "test_fuzz", "test_soak", "test_chaos", "test_restart", "test_train_cli", "test_launch",
     "test_large", "test_placement_cpp", "test_failure_cpp", "test_streams", "test_observability",
     "test_torch_hooks", "test_dtype_parity", "test_hooks_schedule", "test_hooks_hosts", "test_ddp",
+    "test_make_install",
 })
 SLOW_TESTS = frozenset({
     "test_plan::test_calibrate_and_cache", "test_plan::test_validate_across_namespaces",
