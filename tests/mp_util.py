@@ -70,7 +70,7 @@ _HEADER = struct.Struct("!Q")
 # How ranks start: "forkserver" (the server imports these once; each rank is a fork of it)
 # or "spawn" (a fresh interpreter per rank).
 START_METHOD = os.environ.get("PYCOMM_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "pycomm"]
 # Variables that act only when a library loads (torch and what it links are loaded in the
 # fork server already): a run that sets one starts its ranks with spawn. OMP_NUM_THREADS
 # is not among them: every rank calls torch.set_num_threads(1).

@@ -64,8 +64,15 @@ def _dies_mid_message(ctx):
 _PARENT = """
 import json, sys
 sys.path.insert(0, {tests!r})
+import multiprocessing.forkserver
+import mp_util
 from mp_util import spawn_run
 import test_mp_util
+# the fork server (torch and pycomm imported: tens of seconds on a crowded machine) is
+# started before the clock of the run under test starts
+if mp_util.START_METHOD == "forkserver":
+    mp_util._context("forkserver")
+    multiprocessing.forkserver.ensure_running()
 res = spawn_run(test_mp_util._dies_mid_message, 2, backend="gloo", make_ref=False, timeout_s={timeout!r})
 print("RESULT " + json.dumps({{"returns": res.returns, "crashed": res.crashed, "hung": res.hung,
                               "reports": {{r: sorted(v) for r, v in res.reports.items()}},
