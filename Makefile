@@ -120,6 +120,9 @@ test-integrations: install
 	test -x $(INTEGRATIONS_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(INTEGRATIONS_VENV)
 	$(INTEGRATIONS_VENV)/bin/python -m pip install --quiet -r tests/integrations/requirements.txt \
 	  -c tests/integrations/constraints.txt
+	@# DeepSpeed builds its CPU shared-memory op at its first init_process_group; two ranks
+	@# building it at once on a fresh machine could outlast the store's wait. Built once here.
+	DS_ACCELERATOR=cpu $(INTEGRATIONS_VENV)/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
 	PYCOMM_INTEGRATIONS=1 $(INTEGRATIONS_VENV)/bin/python -m pytest -q --durations=20 tests/integrations
 
 clean:

@@ -37,6 +37,10 @@ def recipe_env(**extra):
     return env
 
 
+def _text(data):
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
 def run_command(argv, timeout_s, env=None, cwd=None):
     """Runs argv in a session of its own; at the deadline kills the whole session
     (launchers' workers included) and fails. Returns (stdout, stderr) on exit code 0."""
@@ -45,9 +49,15 @@ def run_command(argv, timeout_s, env=None, cwd=None):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as expired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            # a process outside the session (a daemon that called setsid) still holds the
+            # pipes: report what had arrived at the deadline
+            proc.kill()
+            out, err = (_text(expired.output), _text(expired.stderr))
         pytest.fail(f"{' '.join(argv)} still running after {timeout_s} s\n--- stdout\n{out[-4000:]}\n"
                     f"--- stderr\n{err[-8000:]}")
     finally:
