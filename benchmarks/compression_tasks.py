@@ -410,6 +410,8 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(HERE, "results", "compression_tasks41"))
     parser.add_argument("--records", default="",
                         help="JSON-lines file of earlier records to reuse (runs already there are skipped) and append to")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: the table from the runs already in --records")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -451,7 +453,7 @@ def main(argv=None):
         jobs = [{"task": t, "optimizer": o, "config": c, "seed": s, "steps": args.steps or TASKS[t][1]}
                 for t in tasks for o in optimizers for s in seeds for c in configs
                 if (t, o, world, c, s, args.steps or TASKS[t][1]) not in done]
-        if jobs:
+        if jobs and not args.report_only:
             print(f"== {world} ranks: {len(jobs)} runs", flush=True)
             launch(world, jobs, records_path)
             loads.append(os.getloadavg())

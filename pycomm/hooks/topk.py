@@ -1,5 +1,6 @@
 """topk_hook: top-k sparsification with error feedback, on the all_gather exchange and on
 pycomm's sparse all-reduce."""
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -82,7 +83,17 @@ class TopKState(_CompressionState):
     per host instead of per rank). Every rank of the default group must build the state
     at the same point (it creates process groups), and the state's group must be the
     whole default group. Falls back to the flat exchange when every host has one rank or
-    there is one host."""
+    there is one host.
+    ``density_warmup``: DGC's sparsity warm-up: over the first ``density_warmup``
+    synchronised steps the density falls exponentially from ``start_density`` (0.25) to
+    ``density`` (owners keep 2 x the step's density). 0 (default): off. Measured on
+    benchmarks/compression_tasks.py it did not close top-k's short-horizon gap and cost
+    up to half the byte reduction (docs/compression.md, *Tasks it was never tuned on*).
+    The step counter and the schedule are saved in :meth:`state_dict`, so a resumed run
+    continues the schedule.
+
+    :meth:`health` reports the effective density, the residual / gradient norm ratio and
+    the bytes sent over the run (also listed by ``pycomm.stats()["hooks"]``)."""
 
     _kind = "topk"
     _op = "topk_hook"
@@ -93,7 +104,7 @@ class TopKState(_CompressionState):
                  owner_density: Optional[float] = None, momentum: float = 0.0,
                  schedule: str = "bucket", min_compression_rate: Optional[float] = None,
                  small_bits: Optional[int] = 8, hosts=None, density_warmup: int = 0,
-                 start_density: float = 0.25, residual_decay: float = 1.0, residual_clip: Optional[float] = None):
+                 start_density: float = 0.25):
         density = float(density)
         if int(density_warmup) < 0:
             raise ValueError(f"pycomm topk_hook: density_warmup must be >= 0 (got {density_warmup!r})")
@@ -125,8 +136,6 @@ class TopKState(_CompressionState):
         self._owner_default = owner_density is None
         self.owner_density = min(1.0, 2.0 * density) if owner_density is None else float(owner_density)
         self.density_warmup = int(density_warmup)
-        self.residual_decay = float(residual_decay)
-        self.residual_clip = None if residual_clip is None else float(residual_clip)
         self.start_density = max(float(start_density), density)
         self._health = _Health()
         self._bytes_group = None  # None: not known yet; True: a pycomm group (bytes counted); False: not
@@ -265,6 +274,26 @@ class TopKState(_CompressionState):
 TopkState = TopKState
 
 
+# The states whose hook has run, for pycomm.stats()["hooks"] and reset_stats().
+_LIVE: "weakref.WeakSet[TopKState]" = weakref.WeakSet()
+
+
+def _health_report() -> List[Dict[str, Any]]:
+    """pycomm.stats()["hooks"]: the health of every live TopKState whose hook has run."""
+    return [dict(kind="topk", **state.health()) for state in list(_LIVE)]
+
+
+def _reset_stats(reset) -> None:
+    """pycomm.reset_stats(): the live states take the bytes counted so far before the
+    counter goes to zero, and count from zero after."""
+    states = list(_LIVE)
+    for state in states:
+        state._count_bytes()
+    reset()
+    for state in states:
+        state._bytes_at = 0
+
+
 def _bytes_sent_now() -> int:
     from .._C import _stats
 
@@ -342,6 +371,7 @@ def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
     if isinstance(state, TopKState) and state._bytes_group is None:
         state._count_bytes()  # bytes are counted from the hook's first step on
+        _LIVE.add(state)
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket, _topk_pycomm)
     if done is not None:
         if segments is not None and step < state.warmup_steps:  # a dense warm-up step
@@ -441,14 +471,6 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
     density = state.density_at(step)
     flat_grads = grads.reshape(-1)
     grad_sq = float(torch.dot(flat_grads, flat_grads))  # before the kernels (momentum rewrites grads)
-    if residual is not None and state.residual_decay != 1.0:
-        e_all.mul_(state.residual_decay)
-    if residual is not None and state.residual_clip is not None:
-        flat_r = e_all.reshape(-1)
-        rn = float(torch.dot(flat_r, flat_r)) ** 0.5
-        limit = state.residual_clip * grad_sq ** 0.5
-        if rn > limit:
-            e_all.mul_(limit / rn)
     # Without momentum, on the CPU, every sparsified parameter of the bucket goes through one
     # kernel call (a call per parameter cost more in Python than the selection of the small
     # ones); with momentum the kernel reads each parameter's velocity instead.

@@ -4,7 +4,7 @@
   ``density`` over the first steps; each step selects ``ceil(density_at(step) * n)``
   entries of every sparsified parameter; a checkpoint keeps the step counter and the
   schedule, so a resumed run continues it and ends where the uninterrupted one does.
-* ``health()``: the entries selected over the run (effective density), the residual /
+* ``health()`` (and pycomm.stats()["hooks"]): the entries selected over the run (effective density), the residual /
   gradient norm ratio, and the bytes sent on the group from the hook's first step, the
   warm-up's included: the same count pycomm.stats() gives for the run.
 """
@@ -118,6 +118,16 @@ def _worker(ctx):
         problems.append(f"dense_bytes {h['dense_bytes']}")
     if h["bytes_ratio"] != pytest.approx(h["dense_bytes"] / h["bytes_sent"]):
         problems.append(f"bytes_ratio {h['bytes_ratio']}")
+
+    # pycomm.stats() lists it; reset_stats() loses none of its bytes
+    import pycomm
+
+    listed = [e for e in pycomm.stats()["hooks"] if e["kind"] == "topk" and e["steps"] == STEPS]
+    if len(listed) != 1 or listed[0]["bytes_sent"] != h["bytes_sent"]:
+        problems.append(f"pycomm.stats()['hooks']: {pycomm.stats()['hooks']}")
+    pycomm.reset_stats()
+    if state.health()["bytes_sent"] != h["bytes_sent"]:
+        problems.append(f"after reset_stats(): bytes_sent {state.health()['bytes_sent']}, was {h['bytes_sent']}")
 
     # resumed from a checkpoint in the middle of the warm-up: the schedule continues
     first = make()
