@@ -378,10 +378,10 @@ def summarise(records, configs):
 
 
 def table(rows):
-    lines = ["| task | optimizer | ranks | config | dense | top-k | gap mean (pts) | gap worst seed | bytes ratio | met |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| task | optimizer | ranks | config | seeds | dense | top-k | gap mean (pts) | gap worst seed | bytes ratio | met |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        lines.append(f"| {r['task']} | {r['optimizer']} | {r['world']} | {r['config']} | {r['dense']:.2f} | "
+        lines.append(f"| {r['task']} | {r['optimizer']} | {r['world']} | {r['config']} | {len(r['seeds'])} | {r['dense']:.2f} | "
                      f"{r['compressed']:.2f} | {r['gap_mean']:+.2f} | {r['gap_worst']:+.2f} | "
                      f"{r['bytes_ratio']:.1f}x | {'yes' if r['met'] else '**no**'} |")
     return lines

@@ -68,7 +68,7 @@ def test_smoke_run(tmp_path):
     health = next(r for r in records if r["config"] == "topk")["health"]
     assert health["steps"] == 6 and 0.0 < health["effective_density"] < 0.05
     with open(out + ".md") as handle:
-        assert "| regression | sgd | 2 | topk |" in handle.read()
+        assert "| regression | sgd | 2 | topk | 1 |" in handle.read()
     # a rerun reuses the records: nothing new runs, the same table
     assert bench.main(["--tasks", "regression", "--optimizers", "sgd", "--worlds", "2", "--seeds", "0",
                        "--steps", "6", "--configs", "dense;topk", "--out", out]) == 0

@@ -145,6 +145,7 @@ def _worker(ctx):
     return problems
 
 
+@pytest.mark.slow
 def test_warmup_counts_bytes_and_resume():
     rets = spawn_run(_worker, 2, timeout_s=180, make_ref=False, pg_timeout_s=60).check().returns
     for rank, problems in sorted(rets.items()):
