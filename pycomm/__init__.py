@@ -43,9 +43,16 @@ def stats() -> dict:
     comm_summary() tabulates),
     ``bytes_buffered`` (received bytes that arrived before their receive was posted,
     so were copied once more),
-    and ``ops``: per operation name, ``count``, ``failures``, ``seconds`` (time on the
-    worker thread) and ``bytes`` (size of the tensors the op was called with)."""
-    return _C._stats()
+    ``ops``: per operation name, ``count``, ``failures``, ``seconds`` (time on the
+    worker thread) and ``bytes`` (size of the tensors the op was called with),
+    and ``hooks``: the health of every live compressed-hook state whose hook has run
+    (``kind``, then pycomm.hooks.TopKState.health()'s fields; kept in the state, so
+    reset_stats() does not zero them)."""
+    result = _C._stats()
+    from .hooks.topk import _health_report
+
+    result["hooks"] = _health_report()
+    return result
 
 
 def built_with_cuda() -> bool:
@@ -62,8 +69,10 @@ def cuda_available() -> bool:
 
 
 def reset_stats() -> None:
-    """Zeroes the counters stats() reports."""
-    _C._reset_stats()
+    """Zeroes the counters stats() reports (the hooks' health stays with their states)."""
+    from .hooks.topk import _reset_stats
+
+    _reset_stats(_C._reset_stats)
 
 
 __version__ = "0.1.0"

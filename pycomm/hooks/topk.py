@@ -1,5 +1,6 @@
 """topk_hook: top-k sparsification with error feedback, on the all_gather exchange and on
 pycomm's sparse all-reduce."""
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -7,7 +8,7 @@ import torch.distributed as dist
 
 from ..compression import topk_approx, topk_count, topk_exact
 from ._common import (_aborts_group_on_error, _all_gather_bytes, _as_bytes, _averaged_into, _dense_allreduce,
-                      _mix_seed, _returned)
+                      _group_size, _mix_seed, _pycomm_backend, _returned)
 from .exchange import _HostGroups, _hosts_config, _hosts_exchange
 from .state import _CompressionState, _start_compressed
 
@@ -82,7 +83,17 @@ class TopKState(_CompressionState):
     per host instead of per rank). Every rank of the default group must build the state
     at the same point (it creates process groups), and the state's group must be the
     whole default group. Falls back to the flat exchange when every host has one rank or
-    there is one host."""
+    there is one host.
+    ``density_warmup``: DGC's sparsity warm-up: over the first ``density_warmup``
+    synchronised steps the density falls exponentially from ``start_density`` (0.25) to
+    ``density`` (owners keep 2 x the step's density). 0 (default): off. Measured on
+    benchmarks/compression_tasks.py it did not close top-k's short-horizon gap and cost
+    up to half the byte reduction (docs/compression.md, *Tasks it was never tuned on*).
+    The step counter and the schedule are saved in :meth:`state_dict`, so a resumed run
+    continues the schedule.
+
+    :meth:`health` reports the effective density, the residual / gradient norm ratio and
+    the bytes sent over the run (also listed by ``pycomm.stats()["hooks"]``)."""
 
     _kind = "topk"
     _op = "topk_hook"
@@ -92,8 +103,13 @@ class TopKState(_CompressionState):
                  exchange: str = "auto", value_dtype: Optional[str] = "bfloat16",
                  owner_density: Optional[float] = None, momentum: float = 0.0,
                  schedule: str = "bucket", min_compression_rate: Optional[float] = None,
-                 small_bits: Optional[int] = 8, hosts=None):
+                 small_bits: Optional[int] = 8, hosts=None, density_warmup: int = 0,
+                 start_density: float = 0.25):
         density = float(density)
+        if int(density_warmup) < 0:
+            raise ValueError(f"pycomm topk_hook: density_warmup must be >= 0 (got {density_warmup!r})")
+        if not 0.0 < float(start_density) <= 1.0:
+            raise ValueError(f"pycomm topk_hook: start_density must be in (0, 1] (got {start_density!r})")
         if hosts is not None and (schedule != "bucket" or exchange != "auto"):
             raise ValueError("pycomm topk_hook: hosts needs schedule='bucket' and exchange='auto' "
                              f"(got schedule={schedule!r}, exchange={exchange!r})")
@@ -117,7 +133,13 @@ class TopKState(_CompressionState):
         self.density = density
         self.exact = bool(exact)
         self.value_dtype = value_dtype
+        self._owner_default = owner_density is None
         self.owner_density = min(1.0, 2.0 * density) if owner_density is None else float(owner_density)
+        self.density_warmup = int(density_warmup)
+        self.start_density = max(float(start_density), density)
+        self._health = _Health()
+        self._bytes_group = None  # None: not known yet; True: a pycomm group (bytes counted); False: not
+        self._bytes_at = 0  # pycomm's bytes_sent when counting started (or was last read)
         self.momentum = float(momentum)
         self.schedule = schedule
         self.min_compression_rate = None if min_compression_rate is None else float(min_compression_rate)
@@ -134,7 +156,89 @@ class TopKState(_CompressionState):
                 "value_dtype": self.value_dtype, "owner_density": self.owner_density,
                 "momentum": self.momentum, "schedule": self.schedule,
                 "min_compression_rate": self.min_compression_rate, "small_bits": self.small_bits,
-                "hosts": _hosts_config(self.hosts)}
+                "hosts": _hosts_config(self.hosts), "density_warmup": self.density_warmup,
+                "start_density": self.start_density}
+
+    def density_at(self, step: int) -> float:
+        """The density of synchronised step ``step``: ``density`` once the warm-up is over;
+        during the first ``density_warmup`` steps it falls exponentially from
+        ``start_density`` to ``density`` (DGC's sparsity warm-up)."""
+        if step >= self.density_warmup or self.start_density <= self.density:
+            return self.density
+        return self.start_density * (self.density / self.start_density) ** (step / self.density_warmup)
+
+    def _owner_at(self, step: int) -> float:
+        """The owners' density of step ``step``: 2 x the step's density unless given; a
+        given one is scaled with the step's density during the warm-up."""
+        d = self.density_at(step)
+        if self._owner_default:
+            return min(1.0, 2.0 * d)
+        if self.owner_density == 0.0:
+            return 0.0
+        return min(1.0, self.owner_density * d / self.density)
+
+    # -- health ------------------------------------------------------------------
+    def _count_bytes(self) -> None:
+        """Starts (first call) or advances the count of bytes sent: pycomm's process-wide
+        counter (pycomm.stats()["bytes_sent"]), on a pycomm group only."""
+        if self._bytes_group is None:
+            if _pycomm_backend(self.process_group) is None:
+                self._bytes_group = False
+                return
+            self._bytes_group = True
+            self._bytes_at = _bytes_sent_now()
+            return
+        if self._bytes_group:
+            now = _bytes_sent_now()
+            self._health.bytes_sent += now - self._bytes_at
+            self._bytes_at = now
+
+    def health(self) -> Dict[str, Any]:
+        """How compression is going on this rank, over every step since the state was made
+        (or the checkpoint it loaded was, counters included):
+
+        ``steps``: synchronised steps; ``density``: the density of the next step;
+        ``effective_density``: entries this rank selected / entries of the sparsified
+        parameters, over the run (phase 1; the warm-up included);
+        ``residual_ratio``: ||residual|| / ||gradient|| of the last step (error-feedback
+        residual after the selection against the step's local gradient, over the hook's
+        buckets); ``residual_ratio_mean``: its mean over the steps; a ratio that keeps
+        growing means the residuals hold gradient the model never receives in time;
+        ``bytes_sent``: bytes this process sent through pycomm since the hook's first step
+        (pycomm.stats()["bytes_sent"]: every pycomm group of the process, so the hook's
+        traffic when nothing else communicates meanwhile; None on other backends);
+        ``dense_bytes``: what a ring all-reduce of the same gradients in their dtype would
+        have sent, ``2 (world - 1) / world x bytes`` per step (a model, not a measurement);
+        ``bytes_ratio``: ``dense_bytes / bytes_sent``."""
+        self._count_bytes() if self._bytes_group else None
+        h = self._health
+        sent = h.bytes_sent if self._bytes_group or h.bytes_sent else None
+        return {
+            "steps": self.step,
+            "density": self.density_at(self.step),
+            "effective_density": h.selected / h.elements if h.elements else None,
+            "residual_ratio": h.last_ratio,
+            "residual_ratio_mean": h.ratio_sum / h.ratio_steps if h.ratio_steps else None,
+            "bytes_sent": sent,
+            "dense_bytes": h.dense_bytes,
+            "bytes_ratio": h.dense_bytes / sent if sent else None,
+        }
+
+    def _observe(self, step: int, grad_sq: float, residual_sq: float, selected: int, elements: int,
+                 dense_bytes: float) -> None:
+        self._health.add(step, grad_sq, residual_sq, selected, elements, dense_bytes)
+
+    def _rank_state(self) -> Dict[str, Any]:
+        out = super()._rank_state()
+        self._count_bytes() if self._bytes_group else None
+        out["health"] = self._health.as_dict()
+        return out
+
+    def _load_rank_state(self, mine: Dict[str, Any]) -> None:
+        super()._load_rank_state(mine)
+        self._health = _Health.from_dict(mine.get("health"))
+        if self._bytes_group:
+            self._bytes_at = _bytes_sent_now()
 
     def compressed(self, numel: int, element_bytes: int = 4, value_bytes: int = 4) -> bool:
         """Whether a parameter of ``numel`` elements is sparsified on the sparse all-reduce
@@ -156,6 +260,10 @@ class TopKState(_CompressionState):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._pending, self._seen = [], []
+        config = state.get("config", {})
+        if "density_warmup" in config:  # the schedule resumes where it was
+            self.density_warmup = int(config["density_warmup"])
+            self.start_density = float(config["start_density"])
 
     def reset_residuals(self) -> None:
         super().reset_residuals()
@@ -164,6 +272,84 @@ class TopKState(_CompressionState):
 
 # The name pycomm.train's hook discovery derives from "topk_hook".
 TopkState = TopKState
+
+
+# The states whose hook has run, for pycomm.stats()["hooks"] and reset_stats().
+_LIVE: "weakref.WeakSet[TopKState]" = weakref.WeakSet()
+
+
+def _health_report() -> List[Dict[str, Any]]:
+    """pycomm.stats()["hooks"]: the health of every live TopKState whose hook has run."""
+    return [dict(kind="topk", **state.health()) for state in list(_LIVE)]
+
+
+def _reset_stats(reset) -> None:
+    """pycomm.reset_stats(): the live states take the bytes counted so far before the
+    counter goes to zero, and count from zero after."""
+    states = list(_LIVE)
+    for state in states:
+        state._count_bytes()
+    reset()
+    for state in states:
+        state._bytes_at = 0
+
+
+def _bytes_sent_now() -> int:
+    from .._C import _stats
+
+    return int(_stats()["bytes_sent"])
+
+
+class _Health:
+    """TopKState.health()'s counters (saved in the rank's state_dict entry)."""
+
+    _FIELDS = ("selected", "elements", "ratio_sum", "ratio_steps", "last_ratio", "bytes_sent", "dense_bytes")
+
+    def __init__(self):
+        self.selected = 0
+        self.elements = 0
+        self.ratio_sum = 0.0
+        self.ratio_steps = 0
+        self.last_ratio = None
+        self.bytes_sent = 0
+        self.dense_bytes = 0.0
+        self._step = None  # the step whose buckets are being summed
+        self._grad_sq = 0.0
+        self._residual_sq = 0.0
+
+    def add(self, step, grad_sq, residual_sq, selected, elements, dense_bytes):
+        if self._step != step:
+            self._close()
+            self._step = step
+        self._grad_sq += grad_sq
+        self._residual_sq += residual_sq
+        self.selected += selected
+        self.elements += elements
+        self.dense_bytes += dense_bytes
+        self._update()
+
+    def _update(self):
+        if self._grad_sq > 0.0:
+            self.last_ratio = (self._residual_sq / self._grad_sq) ** 0.5
+
+    def _close(self):
+        if self._step is not None and self.last_ratio is not None and self._grad_sq > 0.0:
+            self.ratio_sum += self.last_ratio
+            self.ratio_steps += 1
+        self._grad_sq = self._residual_sq = 0.0
+
+    def as_dict(self):
+        self._close()
+        self._step = None
+        return {k: getattr(self, k) for k in self._FIELDS}
+
+    @classmethod
+    def from_dict(cls, d):
+        h = cls()
+        for k, v in (d or {}).items():
+            if k in cls._FIELDS:
+                setattr(h, k, v)
+        return h
 
 
 def _select(state: TopKState, x: torch.Tensor, k: int, ordinal: int, step: int):
@@ -183,8 +369,14 @@ def _pad(indices: torch.Tensor, values: torch.Tensor, k: int):
 @_aborts_group_on_error("topk_hook")
 def topk_hook(state: TopKState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Top-k sparsified gradient averaging with error feedback (see the module docstring)."""
+    if isinstance(state, TopKState) and state._bytes_group is None:
+        state._count_bytes()  # bytes are counted from the hook's first step on
+        _LIVE.add(state)
     buffer, group, world, step, segments, done = _start_compressed("topk_hook", state, TopKState, bucket, _topk_pycomm)
     if done is not None:
+        if segments is not None and step < state.warmup_steps:  # a dense warm-up step
+            n = buffer.numel()
+            state._observe(step, 0.0, 0.0, n, n, _dense_bytes(buffer, world))
         return done
     if state.min_compression_rate:  # None (the default rule) sparsifies every parameter here
         raise ValueError("pycomm topk_hook: min_compression_rate needs the sparse all-reduce of a pycomm group "
@@ -201,7 +393,7 @@ def _topk_allgather(state: TopKState, buffer: torch.Tensor, group, world: int, s
         if state.momentum:
             u = state._velocity(ordinal, buffer[offset: offset + numel].to(torch.float32), state.momentum)
         x = state._input(buffer, ordinal, offset, numel, u)
-        k = topk_count(numel, state.density)
+        k = topk_count(numel, state.density_at(step))
         indices, values = _select(state, x, k, ordinal, step)
         if u is not None:
             u[indices] = 0.0  # momentum factor masking
@@ -216,6 +408,14 @@ def _topk_allgather(state: TopKState, buffer: torch.Tensor, group, world: int, s
     values = torch.cat(value_parts)
     k_total = indices.numel()
     value_bytes = buffer.element_size()
+    if state.error_feedback:
+        residual_sq = sum(float(torch.dot(state._residuals[o].view(-1), state._residuals[o].view(-1)))
+                          for o, _, n in segments if n and state._residuals.get(o) is not None)
+    else:
+        residual_sq = 0.0
+    g32 = buffer.to(torch.float32).view(-1)
+    state._observe(step, float(torch.dot(g32, g32)), residual_sq, k_total, buffer.numel(),
+                   _dense_bytes(buffer, world))
 
     if world * k_total * (4 + value_bytes) >= 2 * buffer.numel() * buffer.element_size():
         # Denser than the break-even point: a dense all-reduce of the sparsified bucket.
@@ -246,6 +446,11 @@ _SMALL_BLOCK = 256  # TopKState(small_bits=...): elements per scale of the small
 _SMALL_SEED = 0x5347  # mixed into that all-reduce's rounding seed (apart from the selections')
 
 
+def _dense_bytes(buffer: torch.Tensor, world: int) -> float:
+    """What a ring all-reduce of ``buffer`` sends per rank: 2 (world - 1) / world of it."""
+    return 2.0 * (world - 1) / world * buffer.numel() * buffer.element_size()
+
+
 def _wire_dtype(state: TopKState, buffer: torch.Tensor) -> str:
     if state.value_dtype is not None:
         return state.value_dtype
@@ -263,6 +468,9 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
     grads = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
     element_bytes, value_bytes = buffer.element_size(), _WIRE_BYTES[value_dtype]
     e_all = residual if residual is not None else torch.zeros_like(grads)
+    density = state.density_at(step)
+    flat_grads = grads.reshape(-1)
+    grad_sq = float(torch.dot(flat_grads, flat_grads))  # before the kernels (momentum rewrites grads)
     # Without momentum, on the CPU, every sparsified parameter of the bucket goes through one
     # kernel call (a call per parameter cost more in Python than the selection of the small
     # ones); with momentum the kernel reads each parameter's velocity instead.
@@ -286,18 +494,24 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
             if state.momentum:
                 g.zero_()  # every entry is sent: momentum factor masking clears the whole velocity
             continue
-        indices, values = kernels.topk_ef(g, e, state.density, exact, seed)
+        indices, values = kernels.topk_ef(g, e, density, exact, seed)
         if state.momentum:
             g[indices] = 0.0  # momentum factor masking
         index_parts.append(indices + (base + offset))
         value_parts.append(values)
     if picked:
         offsets, lengths, exacts, seeds = (list(column) for column in zip(*picked))
-        indices, values = kernels.topk_ef_segments(grads, e_all, offsets, lengths, state.density, exacts, seeds, base)
-        return indices, values, dense
-    if not index_parts:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32), dense
-    return torch.cat(index_parts), torch.cat(value_parts), dense
+        indices, values = kernels.topk_ef_segments(grads, e_all, offsets, lengths, density, exacts, seeds, base)
+    elif not index_parts:
+        indices, values = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float32)
+    else:
+        indices, values = torch.cat(index_parts), torch.cat(value_parts)
+    sparse_numel = grads.numel() - sum(x.numel() for _, x, _, _ in dense)
+    flat_e = e_all.reshape(-1)
+    residual_sq = float(torch.dot(flat_e, flat_e)) if residual is not None else 0.0
+    state._observe(step, grad_sq, residual_sq, indices.numel(), sparse_numel,
+                   _dense_bytes(buffer, _group_size(state.process_group)))
+    return indices, values, dense
 
 
 def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual, value_dtype, lengths,
@@ -308,7 +522,7 @@ def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual,
     ``state.small_bits`` with its error written into their residuals. The future
     completes with ``out`` holding the sums of all ranks, the small parameters' included,
     divided by ``divisor`` (the same float division as dividing ``out`` afterwards)."""
-    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state.owner_density, lengths,
+    work = backend.allreduce_sparse(indices, values, out, residual, value_dtype, state._owner_at(step), lengths,
                                     float(divisor))
     fut = work.get_future()
     if not dense:
