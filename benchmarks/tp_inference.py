@@ -249,7 +249,7 @@ def worker(args):
         if kind == "tp" or backend == "pycomm":
             out["process_group"] = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
         if kind == "deepspeed":
-            import deepspeed.comm as dscomm
+            import deepspeed.comm.comm as dscomm
             ds = dscomm.cdb
             op = getattr(ds, "shm_comm_op", None)
             out["deepspeed_shm_op"] = op is not None
