@@ -16,9 +16,14 @@
 // meets the others' calls.
 // Results are bit-identical on every rank: in the split form each element is
 // reduced once, by one rank; in the whole form every rank reduces in rank order
-// (for SUM/PRODUCT of two ranks, commutativity makes the order irrelevant).
+// (for SUM/PRODUCT of two ranks, commutativity makes the order irrelevant). Both
+// forms combine all n copies of an element in rank order in one pass
+// (reduceMany): float16 / bfloat16 are summed in float32 and rounded once, so a
+// 16-bit result does not depend on the form, the segment size or the number of
+// ranks' roundings.
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "algorithms/collectives.h"
 #include "kernels/cpu/reduce.h"
@@ -45,6 +50,9 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
   char* data = static_cast<char*>(buf);
   uint64_t bytesIn = 0, bytesOut = 0;
   const ShmArena::Call call = arenaCall(Collective::kAllreduce, count * elem, dtype, op);
+  // The slots a step reduces, in rank order (grows once per thread, then reused).
+  thread_local std::vector<const void*> sources;
+  if (sources.size() < static_cast<size_t>(n)) sources.resize(n);
   if (count == 0) {  // one step without data, to meet the others' calls
     const uint64_t g = arena.nextSegment();
     if (g >= static_cast<uint64_t>(depth)) comm.waitArenaAll(ShmArena::kConsumed, g - depth + 1);
@@ -67,8 +75,10 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
       bytesIn += bytes;
       bytesOut += bytes;
     } else if (bytes <= arena.slotBytes() / kReduceAllDivisor) {
-      reduceInto(mine, arena.slot(0, g), arena.slot(1, g), elems, dtype, op);
-      for (int j = 2; j < n; ++j) reduceInto(mine, arena.slot(j, g), elems, dtype, op);
+      // One pass over all slots in rank order (16-bit floats summed in float32 and
+      // rounded once): the one-shot all-reduce of small messages.
+      for (int j = 0; j < n; ++j) sources[j] = arena.slot(j, g);
+      reduceMany(mine, sources.data(), n, elems, dtype, op);
       bytesIn += (n - 1) * bytes;
       bytesOut += (n - 1) * bytes;
     } else {
@@ -77,8 +87,8 @@ void allreduceShm(Comm& comm, void* buf, size_t count, DataType dtype, ReduceOp 
       // Rank me reduces its sub-chunk in place in its own slot; nobody else
       // reads that part of the slot before kReduced.
       char* own = arena.slot(me, g) + at;
-      for (int j = 0; j < n; ++j)
-        if (j != me) reduceInto(own, arena.slot(j, g) + at, sub[me + 1] - sub[me], dtype, op);
+      for (int j = 0; j < n; ++j) sources[j] = arena.slot(j, g) + at;
+      reduceMany(own, sources.data(), n, sub[me + 1] - sub[me], dtype, op);
       arena.publish(ShmArena::kReduced, g + 1);
       comm.waitArenaAll(ShmArena::kReduced, g + 1);
       for (int j = 0; j < n; ++j)

@@ -319,6 +319,24 @@ PYCOMM_ALWAYS_INLINE void reduceHalf(uint16_t* d, const uint16_t* a, const uint1
   }
 }
 
+// n 16-bit sources: each block widened once per source and combined in float32,
+// rounded back once. Every source block is read before dst's block is written.
+template <CpuIsa kIsa, Half16 kFormat>
+PYCOMM_ALWAYS_INLINE void reduceHalfMany(uint16_t* d, const void* const* s, int n, size_t count,
+                                         ReduceOp op) {
+  alignas(64) float x[kHalfBlock];
+  alignas(64) float y[kHalfBlock];
+  for (size_t base = 0; base < count; base += kHalfBlock) {
+    const size_t m = std::min(kHalfBlock, count - base);
+    widen<kIsa, kFormat>(static_cast<const uint16_t*>(s[0]) + base, x, m);
+    for (int j = 1; j < n; ++j) {
+      widen<kIsa, kFormat>(static_cast<const uint16_t*>(s[j]) + base, y, m);
+      reduceTyped(x, x, y, m, op);
+    }
+    narrow<kIsa, kFormat>(x, d + base, m);
+  }
+}
+
 template <CpuIsa kIsa, Half16 kFormat>
 PYCOMM_ALWAYS_INLINE void divideHalf(uint16_t* p, size_t n, float divisor) {
   alignas(64) float x[kHalfBlock];
@@ -360,6 +378,35 @@ PYCOMM_ALWAYS_INLINE void reduceBody(void* dst, const void* a, const void* b, si
 #undef PYCOMM_REDUCE_AS
 }
 
+// The other dtypes combine a block of sources 0 and 1 into an L1-resident buffer,
+// then each further source into it, and copy the block out: dst may be any source.
+constexpr size_t kManyBlockBytes = 4096;
+
+template <CpuIsa kIsa>
+PYCOMM_ALWAYS_INLINE void reduceManyBody(void* dst, const void* const* s, int n, size_t count,
+                                         DataType dtype, ReduceOp op) {
+  if (dtype == DataType::kFloat16)
+    return reduceHalfMany<kIsa, Half16::kFloat16>(static_cast<uint16_t*>(dst), s, n, count, op);
+  if (dtype == DataType::kBFloat16)
+    return reduceHalfMany<kIsa, Half16::kBFloat16>(static_cast<uint16_t*>(dst), s, n, count, op);
+  const size_t elem = elementSize(dtype);
+  if (n == 1) {
+    if (dst != s[0]) std::memmove(dst, s[0], count * elem);
+    return;
+  }
+  if (n == 2) return reduceBody<kIsa>(dst, s[0], s[1], count, dtype, op);
+  alignas(64) char block[kManyBlockBytes];
+  const size_t per = kManyBlockBytes / elem;
+  for (size_t base = 0; base < count; base += per) {
+    const size_t m = std::min(per, count - base);
+    const size_t at = base * elem;
+    reduceBody<kIsa>(block, static_cast<const char*>(s[0]) + at, static_cast<const char*>(s[1]) + at, m,
+                     dtype, op);
+    for (int j = 2; j < n; ++j) reduceBody<kIsa>(block, block, static_cast<const char*>(s[j]) + at, m, dtype, op);
+    std::memcpy(static_cast<char*>(dst) + at, block, m * elem);
+  }
+}
+
 template <CpuIsa kIsa>
 PYCOMM_ALWAYS_INLINE void divideBody(void* buf, size_t n, DataType dtype, int divisor) {
   switch (dtype) {
@@ -392,6 +439,9 @@ void reduceGeneric(void* d, const void* a, const void* b, size_t n, DataType t, 
 void divideGeneric(void* buf, size_t n, DataType t, int divisor) {
   divideBody<CpuIsa::kGeneric>(buf, n, t, divisor);
 }
+void reduceManyGeneric(void* d, const void* const* s, int n, size_t c, DataType t, ReduceOp op) {
+  reduceManyBody<CpuIsa::kGeneric>(d, s, n, c, t, op);
+}
 
 #ifdef PYCOMM_X86_DISPATCH
 PYCOMM_TARGET_AVX2 void reduceAvx2(void* d, const void* a, const void* b, size_t n, DataType t,
@@ -407,6 +457,14 @@ PYCOMM_TARGET_AVX512 void reduceAvx512(void* d, const void* a, const void* b, si
 }
 PYCOMM_TARGET_AVX512 void divideAvx512(void* buf, size_t n, DataType t, int divisor) {
   divideBody<CpuIsa::kAvx512>(buf, n, t, divisor);
+}
+PYCOMM_TARGET_AVX2 void reduceManyAvx2(void* d, const void* const* s, int n, size_t c, DataType t,
+                                       ReduceOp op) {
+  reduceManyBody<CpuIsa::kAvx2>(d, s, n, c, t, op);
+}
+PYCOMM_TARGET_AVX512 void reduceManyAvx512(void* d, const void* const* s, int n, size_t c, DataType t,
+                                           ReduceOp op) {
+  reduceManyBody<CpuIsa::kAvx512>(d, s, n, c, t, op);
 }
 #endif
 
@@ -439,6 +497,19 @@ void reduceInto(void* dst, const void* a, const void* b, size_t count, DataType 
 
 void reduceInto(void* dst, const void* src, size_t count, DataType dtype, ReduceOp op) {
   reduceInto(dst, dst, src, count, dtype, op);
+}
+
+void reduceMany(void* dst, const void* const* srcs, int n, size_t count, DataType dtype,
+                ReduceOp op) {
+  PYCOMM_CHECK_INTERNAL(n >= 1, "reduceMany of ", n, " sources");
+  if (count == 0) return;
+  switch (reduceIsa()) {
+#ifdef PYCOMM_X86_DISPATCH
+    case CpuIsa::kAvx512: return reduceManyAvx512(dst, srcs, n, count, dtype, op);
+    case CpuIsa::kAvx2: return reduceManyAvx2(dst, srcs, n, count, dtype, op);
+#endif
+    default: return reduceManyGeneric(dst, srcs, n, count, dtype, op);
+  }
 }
 
 void divideBy(void* buf, size_t count, DataType dtype, int divisor) {

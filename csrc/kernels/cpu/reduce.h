@@ -28,6 +28,14 @@ void reduceInto(void* dst, const void* src, size_t count, DataType dtype, Reduce
 void reduceInto(void* dst, const void* a, const void* b, size_t count, DataType dtype,
                 ReduceOp op);
 
+// dst[i] = op(...op(op(srcs[0][i], srcs[1][i]), srcs[2][i])..., srcs[n-1][i]) for
+// i < count: the n sources combined in their order, float16 / bfloat16 in float32
+// and rounded back once (the one-shot all-reduce: every rank reduces all ranks'
+// copies in rank order, so every rank gets the same bits). dst may be one of the
+// sources (not a partial overlap of one). n >= 1. Allocates nothing.
+void reduceMany(void* dst, const void* const* srcs, int n, size_t count, DataType dtype,
+                ReduceOp op);
+
 // buf[i] /= divisor, for floating dtypes (used to finish ReduceOp::kAvg).
 void divideBy(void* buf, size_t count, DataType dtype, int divisor);
 

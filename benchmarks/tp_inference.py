@@ -1,0 +1,426 @@
+"""Tensor-parallel inference on CPUs (docs/inference.md): a Llama-shaped model built from
+a config with random weights (hidden 512, 8 layers, 8 heads, vocabulary 4096, bfloat16),
+saved locally and loaded with transformers' `from_pretrained(..., tp_plan="auto")` under
+torchrun; greedy decoding of 32 new tokens after a 32-token prompt under
+`torch.inference_mode()`.
+
+    # needs transformers (and deepspeed for the deepspeed setups), e.g. the integrations venv
+    python benchmarks/tp_inference.py --rounds 3 --out benchmarks/results/tp_inference
+    python benchmarks/tp_inference.py --setups pycomm-tp2,gloo-tp2 --rounds 1 --profile
+
+Setups (--setups, comma separated): one-1t and one-2t (one process, 1 or 2 threads),
+gloo-tp2 / pycomm-tp2 (and -tp4: more ranks than these 2 cores), deepspeed-tp2
+(`deepspeed.init_inference` AutoTP over gloo: DeepSpeed's own shared-memory
+`inference_all_reduce` where its CPU op builds and the CPU has the vector units its
+dtype needs, torch's all_reduce otherwise) and deepspeed-pycomm-tp2 (the same over
+pycomm). Every round runs every setup once, in the given order, each in fresh processes;
+the report gives per setup the median over rounds and every round's figure, with the
+load average before each run.
+
+Per run (rank 0's clock, after one warm-up generation): prefill = one forward of the
+prompt (with the cache); decode = 32 forwards of one token each on the cache, greedy;
+generate = `model.generate(max_new_tokens=32, do_sample=False)` end to end. Each is the
+median of --reps repetitions in the process. With --profile, rank 0 also profiles
+--profile-steps decode steps (torch.profiler) and splits their time into collectives
+(the c10d / DeepSpeed collective ops, waits included), compute (the self time of the
+aten ops outside collectives) and the rest (Python: transformers' modules and TP
+hooks, DTensor, generation); and, without the profiler, the time spent inside
+torch.distributed.all_reduce calls during the timed decode.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+SETUPS = {
+    # name: (kind, ranks, threads per rank, backend)
+    "one-1t": ("one", 1, 1, None),
+    "one-2t": ("one", 1, 2, None),
+    "gloo-tp2": ("tp", 2, 1, "gloo"),
+    "pycomm-tp2": ("tp", 2, 1, "pycomm"),
+    "deepspeed-tp2": ("deepspeed", 2, 1, "gloo"),
+    "deepspeed-pycomm-tp2": ("deepspeed", 2, 1, "pycomm"),
+    "gloo-tp4": ("tp", 4, 1, "gloo"),
+    "pycomm-tp4": ("tp", 4, 1, "pycomm"),
+}
+DEFAULT_SETUPS = "one-1t,one-2t,gloo-tp2,pycomm-tp2,deepspeed-tp2,deepspeed-pycomm-tp2"
+
+PROMPT_TOKENS = 32
+NEW_TOKENS = 32
+
+
+def make_model(path, seed=0):
+    """The model of the issue: Llama-shaped, random weights, bfloat16, about 28M parameters."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=1280, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=4096, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- worker (one run)
+
+COLLECTIVE_WORDS = ("tp_inference::all_reduce", "c10d::", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
+                    "inference_all_reduce", "c10d_functional", "wait_tensor", "pycomm:", "gloo:")
+
+
+def _is_collective(name):
+    low = name.lower()
+    return any(w in low for w in COLLECTIVE_WORDS)
+
+
+def _profile_split(events, wall_us):
+    """Splits the profiled decode steps' wall time: collectives = the outermost collective
+    events' inclusive time (main thread); compute = the self time of the other aten ops;
+    rest = wall - both (Python and framework code between ops)."""
+    main_tid = None
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault(e.thread, []).append(e)
+    # the main thread is the one that ran the model: the most aten time
+    main_tid = max(by_thread, key=lambda t: sum(e.cpu_time_total for e in by_thread[t]
+                                               if e.name.startswith("aten::")))
+    evs = sorted(by_thread[main_tid], key=lambda e: (e.time_range.start, -e.time_range.end))
+    collective_us, compute_us, dtensor_us = 0.0, 0.0, 0.0
+    open_collective_end = -1
+    ops = {}
+    for e in evs:
+        start, end = e.time_range.start, e.time_range.end
+        inside = start < open_collective_end
+        if _is_collective(e.name):
+            if not inside:
+                collective_us += end - start
+                open_collective_end = end
+                ops[e.name] = ops.get(e.name, 0) + 1
+            continue
+        if inside:
+            continue
+        if e.name.startswith("aten::") or e.name.startswith("deepspeed::"):
+            compute_us += e.self_cpu_time_total
+        if "dtensor" in e.name.lower() or "redistribute" in e.name.lower():
+            dtensor_us += e.self_cpu_time_total
+    rest = max(0.0, wall_us - collective_us - compute_us)
+    return {"wall_us": wall_us, "collective_us": collective_us, "compute_us": compute_us,
+            "rest_us": rest, "dtensor_events_self_us": dtensor_us, "collective_ops": ops}
+
+
+def worker(args):
+    import torch
+
+    kind, ranks, threads, backend = SETUPS[args.setup]
+    torch.set_num_threads(threads)
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    dist = None
+    rank = 0
+    if kind in ("tp", "deepspeed"):
+        import torch.distributed as dist
+        if backend == "pycomm":
+            import pycomm  # noqa: F401  registers the backend
+        if kind == "tp":
+            dist.init_process_group(backend)
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, tp_plan="auto")
+        else:
+            import deepspeed
+            deepspeed.init_distributed(dist_backend=backend)
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+            engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": ranks}, dtype=torch.bfloat16,
+                                              replace_with_kernel_inject=False)
+            model = engine.module
+        rank = dist.get_rank()
+        assert dist.get_world_size() == ranks, (dist.get_world_size(), ranks)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    model.eval()
+
+    def sync():
+        if dist is not None:
+            dist.barrier()
+
+    # all_reduce calls as the TP layers make them, timed without the profiler
+    ar_clock = {"on": False, "s": 0.0, "n": 0}
+    if dist is not None:
+        real_all_reduce = dist.all_reduce
+
+        def timed_all_reduce(*a, **k):
+            if ar_clock.get("profiling"):
+                # the whole call, its wait included (gloo's op only enqueues the work)
+                with torch.profiler.record_function("tp_inference::all_reduce"):
+                    return real_all_reduce(*a, **k)
+            if not ar_clock["on"]:
+                return real_all_reduce(*a, **k)
+            t = time.perf_counter()
+            try:
+                return real_all_reduce(*a, **k)
+            finally:
+                ar_clock["s"] += time.perf_counter() - t
+                ar_clock["n"] += 1
+        dist.all_reduce = timed_all_reduce
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_TOKENS), generator=g)
+    out = {"setup": args.setup, "ranks": ranks, "threads": threads, "backend": backend,
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "loadavg_start": os.getloadavg()}
+
+    def decode(first_logits, cache, steps):
+        tok = first_logits[:, -1:].argmax(-1)
+        tokens = [tok]
+        for _ in range(steps - 1):
+            o = model(tok, past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            tok = o.logits[:, -1:].argmax(-1)
+            tokens.append(tok)
+        return torch.cat(tokens, 1)
+
+    prefill_s, decode_s, generate_s, ar_s, ar_n = [], [], [], [], []
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)  # warm-up
+        for _ in range(args.reps):
+            sync()
+            t0 = time.perf_counter()
+            o = model(prompt, use_cache=True)
+            t1 = time.perf_counter()
+            ar_clock.update(on=True, s=0.0, n=0)
+            # the first new token comes from the prefill; NEW_TOKENS decode forwards follow
+            tokens = decode(o.logits, o.past_key_values, NEW_TOKENS + 1)
+            t2 = time.perf_counter()
+            ar_clock["on"] = False
+            prefill_s.append(t1 - t0)
+            decode_s.append(t2 - t1)
+            ar_s.append(ar_clock["s"])
+            ar_n.append(ar_clock["n"])
+            sync()
+            t0 = time.perf_counter()
+            gen = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            generate_s.append(time.perf_counter() - t0)
+        out["tokens"] = gen[0, PROMPT_TOKENS:].tolist()
+        out["decode_tokens"] = tokens[0, 1:].tolist()
+
+        if args.profile_steps:
+            from torch.profiler import ProfilerActivity, profile
+            o = model(prompt, use_cache=True)
+            cache = o.past_key_values
+            tok = o.logits[:, -1:].argmax(-1)
+            for _ in range(2):  # steps outside the profile, so the profiled ones are warm
+                o = model(tok, past_key_values=cache, use_cache=True)
+                cache, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            sync()
+            ar_clock["profiling"] = True
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(args.profile_steps):
+                    o = model(tok, past_key_values=cache, use_cache=True)
+                    cache, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+                wall = time.perf_counter() - t0
+            ar_clock["profiling"] = False
+            split = _profile_split(prof.events(), wall * 1e6)
+            split = {k: (v / args.profile_steps if isinstance(v, float) else v) for k, v in split.items()}
+            split["collective_ops"] = {k: v // args.profile_steps for k, v in split["collective_ops"].items()}
+            split["steps"] = args.profile_steps
+            out["profile_per_step"] = split
+            if args.trace and rank == 0:
+                prof.export_chrome_trace(args.trace)
+
+    out.update(prefill_ms=1e3 * statistics.median(prefill_s),
+               decode_tokens_per_s=NEW_TOKENS / statistics.median(decode_s),
+               decode_step_ms=1e3 * statistics.median(decode_s) / NEW_TOKENS,
+               generate_tokens_per_s=NEW_TOKENS / statistics.median(generate_s),
+               allreduce_calls_per_decode=statistics.median(ar_n) if dist else 0,
+               allreduce_share_of_decode=statistics.median(a / d for a, d in zip(ar_s, decode_s)) if dist else 0.0,
+               reps=args.reps, loadavg_end=os.getloadavg())
+    if dist is not None:
+        sync()
+        if kind == "tp" or backend == "pycomm":
+            out["process_group"] = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+        if kind == "deepspeed":
+            import deepspeed.comm.comm as dscomm
+            ds = dscomm.cdb
+            op = getattr(ds, "shm_comm_op", None)
+            out["deepspeed_shm_op"] = op is not None
+            out["deepspeed_shm_vector_level"] = getattr(ds, "shm_vector_kernel_level", None)
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+
+
+# ---------------------------------------------------------------- driver
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(setup, model_dir, json_path, reps, profile_steps, trace, timeout_s):
+    kind, ranks, threads, backend = SETUPS[setup]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    me = [os.path.abspath(__file__), "--worker", "--setup", setup, "--model", model_dir, "--json", json_path,
+          "--reps", str(reps), "--profile-steps", str(profile_steps)] + (["--trace", trace] if trace else [])
+    if ranks == 1:
+        argv = [sys.executable] + me
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] + me
+        env.setdefault("MASTER_PORT", str(free_port()))
+    load = os.getloadavg()
+    t = time.monotonic()
+    proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout_s, start_new_session=True)
+    if proc.returncode != 0 or not os.path.exists(json_path):
+        return {"setup": setup, "error": proc.stdout[-3000:], "loadavg_before": load}
+    with open(json_path) as f:
+        res = json.load(f)
+    res["loadavg_before"] = load
+    res["run_s"] = time.monotonic() - t
+    return res
+
+
+def summarize(results, setups):
+    rows = []
+    for s in setups:
+        runs = [r for r in results if r["setup"] == s and "error" not in r]
+        if not runs:
+            errors = [r["error"][-300:] for r in results if r["setup"] == s and "error" in r]
+            rows.append({"setup": s, "runs": 0, "error": errors[-1] if errors else "not run"})
+            continue
+        row = {"setup": s, "runs": len(runs)}
+        for key in ("decode_tokens_per_s", "generate_tokens_per_s", "prefill_ms", "decode_step_ms",
+                    "allreduce_share_of_decode"):
+            vals = [r[key] for r in runs]
+            row[key] = statistics.median(vals)
+            row[key + "_all"] = vals
+        row["loadavg_1min"] = [r["loadavg_before"][0] for r in runs]
+        prof = [r["profile_per_step"] for r in runs if "profile_per_step" in r]
+        if prof:
+            row["profile_per_step"] = {k: statistics.median(p[k] for p in prof)
+                                       for k in ("wall_us", "collective_us", "compute_us", "rest_us")}
+            row["profile_per_step"]["collective_ops"] = prof[-1]["collective_ops"]
+        for key in ("process_group", "deepspeed_shm_op", "deepspeed_shm_vector_level", "allreduce_calls_per_decode"):
+            if key in runs[-1]:
+                row[key] = runs[-1][key]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows, meta):
+    base = {r["setup"]: r for r in rows if r.get("runs")}
+    ref1 = base.get("one-1t", {}).get("decode_tokens_per_s")
+    refg = base.get("gloo-tp2", {}).get("decode_tokens_per_s")
+    lines = [f"# Tensor-parallel inference on CPUs: {meta['model']}", "",
+             f"{meta['rounds']} rounds, setups interleaved, each run in fresh processes; medians over rounds "
+             f"(each run's figure is the median of {meta['reps']} repetitions). Command: `{meta['command']}`. "
+             f"{meta['cpus']} CPUs; torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}.", "",
+             "| setup | decode tok/s (median) | per round | x one-1t | x gloo-tp2 | prefill ms | "
+             "generate tok/s | all_reduce share of decode | load (1 min) per round |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        if not r.get("runs"):
+            lines.append(f"| {r['setup']} | failed: {r['error'][-120:]!r} | | | | | | | |".replace("\n", " "))
+            continue
+        d = r["decode_tokens_per_s"]
+        x1 = f"{d / ref1:.2f}" if ref1 else ""
+        xg = f"{d / refg:.2f}" if refg else ""
+        lines.append(
+            f"| {r['setup']} | {d:.1f} | {', '.join(f'{v:.1f}' for v in r['decode_tokens_per_s_all'])} | {x1} | {xg} | "
+            f"{r['prefill_ms']:.1f} | {r['generate_tokens_per_s']:.1f} | {100 * r['allreduce_share_of_decode']:.0f}% | "
+            f"{', '.join(f'{v:.1f}' for v in r['loadavg_1min'])} |")
+    profs = [r for r in rows if r.get("profile_per_step")]
+    if profs:
+        lines += ["", "Profile of a decode step (torch.profiler, rank 0, median over rounds; the profiler "
+                  "slows small ops, so read the shares, not the totals):", "",
+                  "| setup | step us | collectives | compute (aten self) | rest (Python, hooks, DTensor) | collective ops per step |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in profs:
+            p = r["profile_per_step"]
+            w = p["wall_us"]
+            ops = ", ".join(f"{k} x{v}" for k, v in sorted(p["collective_ops"].items()))
+            lines.append(f"| {r['setup']} | {w:.0f} | {p['collective_us']:.0f} ({100 * p['collective_us'] / w:.0f}%) | "
+                         f"{p['compute_us']:.0f} ({100 * p['compute_us'] / w:.0f}%) | "
+                         f"{p['rest_us']:.0f} ({100 * p['rest_us'] / w:.0f}%) | {ops} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--setup", default="one-1t")
+    ap.add_argument("--json")
+    ap.add_argument("--trace")
+    ap.add_argument("--model", help="model folder (default: made in a temporary folder)")
+    ap.add_argument("--setups", default=DEFAULT_SETUPS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="profile decode steps in every run")
+    ap.add_argument("--profile-steps", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    for s in setups:
+        if s not in SETUPS:
+            ap.error(f"unknown setup {s!r}; known: {', '.join(SETUPS)}")
+    profile_steps = args.profile_steps or (8 if args.profile else 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or os.path.join(tmp, "llama-512x8")
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            n = make_model(model_dir)
+            print(f"model: {n / 1e6:.1f}M parameters in {model_dir}", flush=True)
+        results = []
+        for rnd in range(args.rounds):
+            for s in setups:
+                res = launch(s, model_dir, os.path.join(tmp, f"{s}-{rnd}.json"), args.reps, profile_steps,
+                             None, args.timeout)
+                res["round"] = rnd
+                results.append(res)
+                if "error" in res:
+                    print(f"round {rnd} {s}: FAILED\n{res['error'][-1500:]}", flush=True)
+                else:
+                    print(f"round {rnd} {s}: decode {res['decode_tokens_per_s']:.1f} tok/s, prefill "
+                          f"{res['prefill_ms']:.1f} ms, generate {res['generate_tokens_per_s']:.1f} tok/s, "
+                          f"all_reduce {100 * res['allreduce_share_of_decode']:.0f}% of decode, "
+                          f"load {res['loadavg_before'][0]:.1f}", flush=True)
+    import torch
+    import transformers
+    # every setup decodes the same tokens (greedy, same weights), in bfloat16 up to rounding
+    # differences of the TP sums; report where they differ from one-1t
+    ref = next((r.get("tokens") for r in results if r["setup"] == "one-1t" and "tokens" in r), None)
+    meta = {"model": "Llama-shaped, hidden 512, 8 layers, 8 heads, vocab 4096, intermediate 1280, bfloat16",
+            "rounds": args.rounds, "reps": args.reps, "cpus": os.cpu_count(), "command": " ".join(sys.argv),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
+            "same_tokens_as_one_1t": {r["setup"]: r.get("tokens") == ref for r in results if "tokens" in r}
+            if ref else {}}
+    rows = summarize(results, setups)
+    md = markdown(rows, meta)
+    print(md)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "summary": rows, "runs": results}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()
