@@ -130,13 +130,10 @@ FUZZ_CXX ?= clang++
 FUZZ_SECONDS ?= 30
 FUZZ_TIMEOUT ?= 30
 FUZZ_DIR := build-fuzz
-FUZZ_TARGETS := fuzz_frames fuzz_coo_allreduce fuzz_wire fuzz_coo fuzz_sparse fuzz_alltoall_splits
-FUZZ_MAX_LEN_fuzz_frames := 4096
-FUZZ_MAX_LEN_fuzz_coo_allreduce := 4096
-FUZZ_MAX_LEN_fuzz_wire := 4096
-FUZZ_MAX_LEN_fuzz_coo := 1024
-FUZZ_MAX_LEN_fuzz_sparse := 1024
-FUZZ_MAX_LEN_fuzz_alltoall_splits := 256
+# Each target with its longest input (-max_len).
+FUZZ_RUNS := fuzz_frames:4096 fuzz_coo_allreduce:4096 fuzz_wire:4096 fuzz_coo:1024 fuzz_sparse:1024 \
+	fuzz_alltoall_splits:256
+FUZZ_TARGETS := $(foreach run,$(FUZZ_RUNS),$(firstword $(subst :, ,$(run))))
 FUZZ_FLAGS := -std=c++17 -g -O1 -fno-omit-frame-pointer -fno-sanitize-recover=all -pthread -Icsrc -MMD -MP
 FUZZ_LIB_SOURCES := $(sort $(wildcard csrc/transport/*.cc csrc/algorithms/*.cc csrc/kernels/cpu/*.cc))
 FUZZ_LIB_OBJECTS := $(patsubst csrc/%.cc,$(FUZZ_DIR)/obj/%.o,$(FUZZ_LIB_SOURCES))
@@ -148,10 +145,10 @@ fuzz-build: $(FUZZ_BINARIES)
 
 fuzz: fuzz-build
 	@mkdir -p $(FUZZ_DIR)/crashes
-	@for t in $(FUZZ_TARGETS); do \
-	  echo "== $$t: $(FUZZ_SECONDS) s"; mkdir -p $(FUZZ_DIR)/corpus/$$t; \
+	@for run in $(FUZZ_RUNS); do \
+	  t=$${run%%:*}; echo "== $$t: $(FUZZ_SECONDS) s"; mkdir -p $(FUZZ_DIR)/corpus/$$t; \
 	  $(FUZZ_DIR)/bin/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=$(FUZZ_TIMEOUT) -rss_limit_mb=2048 \
-	    -max_len=$(FUZZ_MAX_LEN_$$t) -print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- \
+	    -max_len=$${run##*:} -print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- \
 	    $(FUZZ_DIR)/corpus/$$t tests/fuzz/corpus/$$t > $(FUZZ_DIR)/$$t.log 2>&1; \
 	  rc=$$?; grep -E '^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)|^Done' $(FUZZ_DIR)/$$t.log; \
 	  if [ $$rc -ne 0 ]; then tail -60 $(FUZZ_DIR)/$$t.log; echo "fuzz: $$t failed (log $(FUZZ_DIR)/$$t.log)"; exit 1; fi; \
