@@ -22,8 +22,10 @@
 //
 // Build: make fuzz (libFuzzer, -fsanitize=fuzzer,address,undefined).
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -90,7 +92,16 @@ int connectTo(const std::string& entry) {
   inet_pton(AF_INET, entry.substr(0, space).c_str(), &address.sin_addr);
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   check(fd >= 0, "socket");
-  check(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0, "connect to rank 0");
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    // libFuzzer's timeout alarm (SIGALRM) may interrupt it: the connect goes on; wait for it.
+    check(errno == EINTR, "connect to rank 0");
+    pollfd p{fd, POLLOUT, 0};
+    while (::poll(&p, 1, -1) < 0) check(errno == EINTR, "poll");
+    int error = 0;
+    socklen_t length = sizeof(error);
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+    check(error == 0, "connect to rank 0");
+  }
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   return fd;
@@ -100,6 +111,7 @@ void writeAll(int fd, const void* data, size_t bytes) {
   const char* p = static_cast<const char*>(data);
   while (bytes > 0) {
     const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;  // libFuzzer's timeout alarm
     if (n <= 0) return;  // rank 0 dropped the connection: what is left is not read anyway
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -110,6 +122,7 @@ bool readAll(int fd, void* data, size_t bytes) {
   char* p = static_cast<char*>(data);
   while (bytes > 0) {
     const ssize_t n = ::recv(fd, p, bytes, 0);
+    if (n < 0 && errno == EINTR) continue;  // libFuzzer's timeout alarm
     if (n <= 0) return false;
     p += n;
     bytes -= static_cast<size_t>(n);
