@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs test-integrations
+.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs test-integrations fuzz fuzz-build
 
 # `make install` does nothing when nothing it depends on changed: the stamp is newer than
 # the C++ sources, setup.py and this file, and the extension is in place. Otherwise pip
@@ -125,5 +125,58 @@ test-integrations: install
 	DS_ACCELERATOR=cpu $(INTEGRATIONS_VENV)/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
 	PYCOMM_INTEGRATIONS=1 $(INTEGRATIONS_VENV)/bin/python -m pytest -q --durations=20 tests/integrations
 
+# libFuzzer (docs/development.md, "Fuzzing"): every target in tests/fuzz/ built with
+# -fsanitize=fuzzer,address,undefined against the torch-free layers (csrc/transport,
+# csrc/algorithms, csrc/kernels/cpu; objects in build-fuzz/obj, rebuilt when a source or
+# a header it includes changes), then each run for FUZZ_SECONDS from its committed
+# seeds (tests/fuzz/corpus/<target>/) plus what earlier runs here found
+# (build-fuzz/corpus/<target>/). Any crash, sanitizer report, leak, hang past
+# FUZZ_TIMEOUT s or invariant the harness checks fails the target; the input that
+# did it is saved as build-fuzz/crashes/<target>-*. clang comes from apt when missing.
+FUZZ_CXX ?= clang++
+FUZZ_SECONDS ?= 30
+FUZZ_TIMEOUT ?= 30
+FUZZ_DIR := build-fuzz
+# Each target with its longest input (-max_len).
+FUZZ_RUNS := fuzz_frames:4096 fuzz_coo_allreduce:4096 fuzz_wire:4096 fuzz_coo:1024 fuzz_sparse:1024 \
+	fuzz_alltoall_splits:256
+FUZZ_TARGETS := $(foreach run,$(FUZZ_RUNS),$(firstword $(subst :, ,$(run))))
+FUZZ_FLAGS := -std=c++17 -g -O1 -fno-omit-frame-pointer -fno-sanitize-recover=all -pthread -Icsrc -MMD -MP
+FUZZ_LIB_SOURCES := $(sort $(wildcard csrc/transport/*.cc csrc/algorithms/*.cc csrc/kernels/cpu/*.cc))
+FUZZ_LIB_OBJECTS := $(patsubst csrc/%.cc,$(FUZZ_DIR)/obj/%.o,$(FUZZ_LIB_SOURCES))
+FUZZ_BINARIES := $(addprefix $(FUZZ_DIR)/bin/,$(FUZZ_TARGETS))
+FUZZ_CCACHE := $(shell command -v ccache 2>/dev/null)
+.SECONDARY: $(FUZZ_LIB_OBJECTS)
+
+fuzz-build: $(FUZZ_BINARIES)
+
+fuzz: fuzz-build
+	@mkdir -p $(FUZZ_DIR)/crashes
+	@for run in $(FUZZ_RUNS); do \
+	  t=$${run%%:*}; echo "== $$t: $(FUZZ_SECONDS) s"; mkdir -p $(FUZZ_DIR)/corpus/$$t; \
+	  $(FUZZ_DIR)/bin/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=$(FUZZ_TIMEOUT) -rss_limit_mb=2048 \
+	    -max_len=$${run##*:} -print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/crashes/$$t- \
+	    $(FUZZ_DIR)/corpus/$$t tests/fuzz/corpus/$$t > $(FUZZ_DIR)/$$t.log 2>&1; \
+	  rc=$$?; grep -E '^#[0-9]+[[:space:]]+(INITED|DONE)|^stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)|^Done' $(FUZZ_DIR)/$$t.log; \
+	  if [ $$rc -ne 0 ]; then tail -60 $(FUZZ_DIR)/$$t.log; echo "fuzz: $$t failed (log $(FUZZ_DIR)/$$t.log)"; exit 1; fi; \
+	done
+
+$(FUZZ_DIR)/.clang:
+	@command -v $(FUZZ_CXX) >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq clang; }
+	@test -f /usr/include/openssl/evp.h || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libssl-dev; }
+	@mkdir -p $(dir $@) && touch $@
+
+$(FUZZ_DIR)/obj/%.o: csrc/%.cc | $(FUZZ_DIR)/.clang
+	@mkdir -p $(dir $@)
+	$(FUZZ_CCACHE) $(FUZZ_CXX) $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link,address,undefined -c $< -o $@
+
+$(FUZZ_DIR)/bin/%: tests/fuzz/%.cc $(FUZZ_LIB_OBJECTS) | $(FUZZ_DIR)/.clang
+	@mkdir -p $(dir $@)
+	$(FUZZ_CXX) $(FUZZ_FLAGS) -MF $@.d -fsanitize=fuzzer,address,undefined $< $(FUZZ_LIB_OBJECTS) -lcrypto -o $@
+
+-include $(wildcard $(FUZZ_DIR)/obj/*/*.d $(FUZZ_DIR)/obj/*/*/*.d $(FUZZ_DIR)/bin/*.d)
+
 clean:
-	rm -rf build build-asan site *.egg-info pycomm/_C*.so
+	rm -rf build build-asan build-fuzz site *.egg-info pycomm/_C*.so

@@ -278,6 +278,9 @@ class TcpTransport : public Transport {
   void wake();
   int currentIoThread() const;  // -1 off the I/O threads
   std::string lostMessage(int peer, const std::string& reason) const;
+  // Under mutex_: the failure of the first peer when every peer is lost (receives
+  // from any source can no longer be met), else "".
+  std::string everyPeerLostLocked() const;
   static uint64_t eventId(int peer, int stream) { return static_cast<uint64_t>(peer) * kMaxStreams + stream; }
 
   const int rank_;

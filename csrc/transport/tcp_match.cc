@@ -122,7 +122,9 @@ RequestPtr TcpTransport::irecv(int peer, uint64_t tag, void* data, size_t bytes,
       }
       if (found == Found::kNothing && failure.empty()) {
         if (peer == kAnySource) {
-          anyPosted_.push_back(posted);
+          // Nothing can come once every peer is lost: fail now, not at the timeout.
+          failure = everyPeerLostLocked();
+          if (failure.empty()) anyPosted_.push_back(posted);
         } else if (!peers_[peer]->failure.empty()) {
           failure = peers_[peer]->failure;
         } else {
@@ -468,6 +470,12 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
     message = p.failure;
     for (auto& posted : p.posted) failed.push_back(posted.request);
     p.posted.clear();
+    // The last peer lost: receives from any source can no longer be met (a leaving
+    // peer's complete messages were matched to them when they arrived or were posted).
+    if (!everyPeerLostLocked().empty()) {
+      for (auto& posted : anyPosted_) failed.push_back(posted.request);
+      anyPosted_.clear();
+    }
     // Complete messages stay deliverable; partial ones are lost with the peer.
     // An I/O thread may still be reading one (off that thread): a receive that
     // claimed it fails now and is detached, so the rest of the message is
@@ -517,6 +525,16 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
   if (thread < 0) wake();
   for (auto& r : failed)
     if (r) r->fail(message);
+}
+
+std::string TcpTransport::everyPeerLostLocked() const {
+  std::string failure;
+  for (int i = 0; i < size_; ++i) {
+    if (i == rank_) continue;
+    if (peers_[i]->failure.empty()) return "";
+    if (failure.empty()) failure = peers_[i]->failure;
+  }
+  return failure;
 }
 
 std::string TcpTransport::lostMessage(int peer, const std::string& reason) const {

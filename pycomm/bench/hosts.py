@@ -11,7 +11,10 @@ reference of :mod:`pycomm.bench.link` between the same addresses) and removes ev
 on success, on error, on SIGINT and on SIGTERM (a SIGKILL leaves namespaces that the
 next run removes: their names carry the creator's pid).
 
-Ranks rendezvous through a ``tcp://`` store on host 0's address; gloo and pycomm listen
+Ranks rendezvous through a ``tcp://`` store on host 0's address, with a job secret
+(``PYCOMM_SECRET``) drawn for the run unless ``PYCOMM_SECRET`` or ``PYCOMM_SECRET_FILE``
+is set, as :func:`pycomm.launch.launch_workers` does: pycomm's connections then prove
+the secret, not store access (docs/failures.md); gloo and pycomm listen
 on the namespace interface (``GLOO_SOCKET_IFNAME`` / ``PYCOMM_SOCKET_IFNAME``), so
 every byte between hosts crosses the veths and the bridge, and ranks of one host talk
 through shared memory (pycomm) or the host's own address (gloo, the TCP reference).
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import subprocess
@@ -80,7 +84,8 @@ def _sigterm_raises():
 
 def _rank_env(ifname: str) -> dict:
     """The ranks' environment: ours, the namespace interface for gloo and pycomm, this
-    pycomm on the path, never a torchrun rendezvous."""
+    pycomm on the path, never a torchrun rendezvous, and a fresh job secret unless the
+    user chose one (both set would be an error); each call draws another."""
     import pycomm
 
     env = dict(os.environ)
@@ -90,6 +95,8 @@ def _rank_env(ifname: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env["GLOO_SOCKET_IFNAME"] = ifname
     env["PYCOMM_SOCKET_IFNAME"] = ifname
+    if "PYCOMM_SECRET" not in env and "PYCOMM_SECRET_FILE" not in env:
+        env["PYCOMM_SECRET"] = secrets.token_hex(32)
     return env
 
 
