@@ -85,7 +85,7 @@ ASAN_CI_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tes
 	tests/transport/test_bootstrap_cpp.py tests/transport/test_placement_cpp.py tests/transport/test_bounds_cpp.py \
 	tests/transport/test_wire_integrity.py
 
-asan-build:
+asan-build: install
 	PYCOMM_SANITIZE=$(SANITIZE) $(PYTHON) setup.py build_ext --build-temp $(ASAN_DIR)/temp --build-lib $(ASAN_DIR)/lib
 	rm -rf $(ASAN_DIR)/pkg $(ASAN_DIR)/logs
 	mkdir -p $(ASAN_DIR)/pkg $(ASAN_DIR)/logs
