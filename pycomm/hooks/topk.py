@@ -86,9 +86,8 @@ class TopKState(_CompressionState):
     there is one host.
     ``density_warmup``: DGC's sparsity warm-up: over the first ``density_warmup``
     synchronised steps the density falls exponentially from ``start_density`` (0.25) to
-    ``density`` (owners keep 2 x the step's density). 0 (default): off. Measured on
-    benchmarks/compression_tasks.py it did not close top-k's short-horizon gap and cost
-    up to half the byte reduction (docs/compression.md, *Tasks it was never tuned on*).
+    ``density`` (owners keep 2 x the step's density). 0 (default): off; what it
+    gains and costs: docs/compression.md, *Tasks it was never tuned on*.
     The step counter and the schedule are saved in :meth:`state_dict`, so a resumed run
     continues the schedule.
 
