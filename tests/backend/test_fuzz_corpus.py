@@ -36,9 +36,10 @@ int main(int argc, char** argv) {
 def test_replay_corpus(target, tmp_path):
     inputs = sorted(glob.glob(os.path.join(FUZZ, "corpus", target, "*")))
     assert inputs, f"no corpus for {target}"
-    # The harness and the main in one source, so the build cache keys on the harness's text.
-    with open(os.path.join(FUZZ, f"{target}.cc")) as f:
-        source = f.read() + REPLAY_MAIN
+    # The harness (with the header it shares with the other targets) and the main in one
+    # source, so the build cache keys on all of their text.
+    with open(os.path.join(FUZZ, f"{target}.cc")) as f, open(os.path.join(FUZZ, "fuzz_input.h")) as h:
+        source = f.read().replace('#include "fuzz_input.h"\n', h.read()) + REPLAY_MAIN
     main = tmp_path / f"replay_{target}.cc"
     main.write_text(source)
     proc = subprocess.run([cpp_build.binary(str(main)), *inputs], capture_output=True, text=True, timeout=300)

@@ -18,20 +18,17 @@
 #include <vector>
 
 #include "algorithms/alltoall_splits.h"
+#include "fuzz_input.h"
 
 using namespace pycomm;
+
+using pycomm_fuzz::check;
+using pycomm_fuzz::Reader;
 
 namespace {
 
 using u128 = unsigned __int128;
 using i128 = __int128;
-
-void check(bool condition, const char* what) {
-  if (!condition) {
-    std::fprintf(stderr, "invariant violated: %s\n", what);
-    std::abort();
-  }
-}
 
 // The reference verdict, in arithmetic that cannot overflow for these inputs.
 bool acceptable(const std::vector<int64_t>& splits, int ranks, int64_t rows, size_t rowBytes) {
@@ -75,20 +72,6 @@ void runCase(const std::vector<int64_t>& splits, int ranks, int64_t rows, size_t
   }
   check(end == size, "blocks cover the buffer");
 }
-
-// Reads little-endian integers off the input; zeros past its end.
-struct Reader {
-  const uint8_t* data;
-  size_t size;
-  uint64_t next(size_t bytes) {
-    uint64_t value = 0;
-    for (size_t i = 0; i < bytes; ++i) {
-      const uint64_t byte = size ? (--size, *data++) : 0;
-      value |= byte << (8 * i);
-    }
-    return value;
-  }
-};
 
 // Values a split may take: small ones, ones near the row count, and the edges of int64.
 int64_t interesting(Reader& in, int64_t rows) {

@@ -34,30 +34,14 @@
 #include "algorithms/comm.h"
 #include "algorithms/sparse_wire.h"
 #include "common/error.h"
+#include "fuzz_input.h"
 
 using namespace pycomm;
 
+using pycomm_fuzz::check;
+using pycomm_fuzz::Reader;
+
 namespace {
-
-void check(bool condition, const char* what) {
-  if (!condition) {
-    std::fprintf(stderr, "invariant violated: %s\n", what);
-    std::abort();
-  }
-}
-
-struct Reader {
-  const uint8_t* data;
-  size_t size;
-  uint64_t next(size_t bytes) {
-    uint64_t value = 0;
-    for (size_t i = 0; i < bytes; ++i) {
-      const uint64_t byte = size ? (--size, *data++) : 0;
-      value |= byte << (8 * i);
-    }
-    return value;
-  }
-};
 
 // Rank `rank` of `size`: sends complete at once (their bytes are dropped); each
 // receive takes the next bytes of the feed, or fails as a lost connection when the

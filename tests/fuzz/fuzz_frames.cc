@@ -44,39 +44,14 @@
 #include "transport/memory_store.h"
 #include "transport/tcp.h"
 #include "transport/wire.h"
+#include "fuzz_input.h"
 
 using namespace pycomm;
 
+using pycomm_fuzz::check;
+using pycomm_fuzz::Reader;
+
 namespace {
-
-void check(bool condition, const char* what) {
-  if (!condition) {
-    std::fprintf(stderr, "invariant violated: %s\n", what);
-    std::abort();
-  }
-}
-
-// Reads fields off the input; zeros past its end.
-struct Reader {
-  const uint8_t* data;
-  size_t size;
-  bool done() const { return size == 0; }
-  uint64_t next(size_t bytes) {
-    uint64_t value = 0;
-    for (size_t i = 0; i < bytes; ++i) {
-      const uint64_t byte = size ? (--size, *data++) : 0;
-      value |= byte << (8 * i);
-    }
-    return value;
-  }
-  std::vector<uint8_t> take(size_t bytes) {
-    const size_t n = bytes < size ? bytes : size;
-    std::vector<uint8_t> out(data, data + n);
-    data += n;
-    size -= n;
-    return out;
-  }
-};
 
 bool fromHex(const std::string& text, uint8_t* out, size_t bytes) {
   if (text.size() < 2 * bytes) return false;
