@@ -247,6 +247,10 @@ def run_one(task, optimizer, config, seed, rank, world, steps=None):
         ddp.register_comm_hook(state, hooks.topk_hook)
     opt = _optimizer(optimizer, ddp.parameters(), task)
     steps = steps or task.steps
+    params = [p for p in model.parameters()]
+    start = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    before = start.clone()
+    path = 0.0  # sum over steps of ||theta_{t+1} - theta_t||: how far the optimizer moved the model
     dist.barrier()
     pycomm.reset_stats()
     started = time.perf_counter()
@@ -256,6 +260,9 @@ def run_one(task, optimizer, config, seed, rank, world, steps=None):
         loss = task.loss(ddp(x), y)
         loss.backward()
         opt.step()
+        now = torch.cat([p.detach().reshape(-1) for p in params])
+        path += float((now - before).norm())
+        before = now
     wall = time.perf_counter() - started
     sent = float(pycomm.stats()["bytes_sent"])  # read before the checks below send anything
     metric = task.score(model)
@@ -267,7 +274,8 @@ def run_one(task, optimizer, config, seed, rank, world, steps=None):
     record = {"task": task.name, "optimizer": optimizer, "config": config, "world": world, "seed": seed,
               "steps": steps, "metric": metric, "bytes_sent_all_ranks": sum(float(g[2]) for g in gathered),
               "bytes_sent_rank0": float(gathered[0][2]), "final_loss": float(loss.item()),
-              "replicas_identical": identical, "wall_s": wall}
+              "replicas_identical": identical, "wall_s": wall,
+              "displacement": float((before - start).norm()), "path": path}
     health = getattr(state, "health", None) if state is not None else None
     if callable(health):
         record["health"] = health()
