@@ -225,6 +225,16 @@ def _optimizer(name, params, task):
     raise ValueError(name)
 
 
+def _top_share(travel, fraction):
+    """The share of the total per-entry travel that the top ``fraction`` of entries made
+    (0.1 for an even spread over the entries at fraction 0.1; near 1 when few entries move)."""
+    import torch
+
+    k = max(1, int(fraction * travel.numel()))
+    total = float(travel.sum())
+    return float(torch.topk(travel, k).values.sum()) / total if total else 0.0
+
+
 def run_one(task, optimizer, config, seed, rank, world, steps=None):
     """One training run on the initialised default group; returns rank 0's record."""
     import warnings
@@ -251,6 +261,7 @@ def run_one(task, optimizer, config, seed, rank, world, steps=None):
     start = torch.cat([p.detach().reshape(-1) for p in params]).clone()
     before = start.clone()
     path = 0.0  # sum over steps of ||theta_{t+1} - theta_t||: how far the optimizer moved the model
+    travel = torch.zeros_like(start)  # per entry: sum over steps of |theta_{t+1} - theta_t|
     dist.barrier()
     pycomm.reset_stats()
     started = time.perf_counter()
@@ -261,7 +272,9 @@ def run_one(task, optimizer, config, seed, rank, world, steps=None):
         loss.backward()
         opt.step()
         now = torch.cat([p.detach().reshape(-1) for p in params])
-        path += float((now - before).norm())
+        step_move = now - before
+        path += float(step_move.norm())
+        travel += step_move.abs()
         before = now
     wall = time.perf_counter() - started
     sent = float(pycomm.stats()["bytes_sent"])  # read before the checks below send anything
@@ -275,7 +288,8 @@ def run_one(task, optimizer, config, seed, rank, world, steps=None):
               "steps": steps, "metric": metric, "bytes_sent_all_ranks": sum(float(g[2]) for g in gathered),
               "bytes_sent_rank0": float(gathered[0][2]), "final_loss": float(loss.item()),
               "replicas_identical": identical, "wall_s": wall,
-              "displacement": float((before - start).norm()), "path": path}
+              "displacement": float((before - start).norm()), "path": path,
+              "travel_share_top10": _top_share(travel, 0.10), "travel_share_top1": _top_share(travel, 0.01)}
     health = getattr(state, "health", None) if state is not None else None
     if callable(health):
         record["health"] = health()
@@ -374,6 +388,13 @@ def summarise(records, configs):
                    "gap_mean": sum(gaps) / len(gaps), "gap_worst": min(gaps), "gaps": gaps,
                    "bytes_ratio": dense_bytes / comp_bytes if comp_bytes else float("inf"),
                    "replicas_identical": all(r["replicas_identical"] for r in dense + comp)}
+            if all("path" in r for r in dense + comp):  # records made before these were kept lack them
+                row["path_ratio"] = sum(c["path"] for c in comp) / sum(d["path"] for d in dense)
+                row["displacement_ratio"] = (sum(c["displacement"] for c in comp)
+                                             / sum(d["displacement"] for d in dense))
+            if all("travel_share_top10" in r for r in dense + comp):
+                row["travel_top10_dense"] = sum(d["travel_share_top10"] for d in dense) / len(dense)
+                row["travel_top10"] = sum(c["travel_share_top10"] for c in comp) / len(comp)
             healths = [c["health"] for c in comp if "health" in c]
             if healths:
                 for key in ("residual_ratio", "effective_density"):
@@ -386,12 +407,29 @@ def summarise(records, configs):
 
 
 def table(rows):
-    lines = ["| task | optimizer | ranks | config | seeds | dense | top-k | gap mean (pts) | gap worst seed | bytes ratio | met |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    """The markdown table; with the movement columns (top-k / dense, summed over the seeds:
+    path = sum over steps of ||theta_t+1 - theta_t||, displacement = ||theta_end - theta_0||)
+    when every row's records have them, and the share of the per-entry travel (sum over
+    steps of |theta_t+1 - theta_t| per entry) made by the 10% of entries that moved most."""
+    movement = bool(rows) and all("path_ratio" in r for r in rows)
+    travel = bool(rows) and all("travel_top10" in r for r in rows)
+    head = "| task | optimizer | ranks | config | seeds | dense | top-k | gap mean (pts) | gap worst seed | bytes ratio |"
+    rule = "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    if movement:
+        head += " path ratio | displacement ratio |"
+        rule += " ---: | ---: |"
+    if travel:
+        head += " top 10% travel share, dense / top-k |"
+        rule += " ---: |"
+    lines = [head + " met |", rule + " --- |"]
     for r in rows:
-        lines.append(f"| {r['task']} | {r['optimizer']} | {r['world']} | {r['config']} | {len(r['seeds'])} | {r['dense']:.2f} | "
-                     f"{r['compressed']:.2f} | {r['gap_mean']:+.2f} | {r['gap_worst']:+.2f} | "
-                     f"{r['bytes_ratio']:.1f}x | {'yes' if r['met'] else '**no**'} |")
+        line = (f"| {r['task']} | {r['optimizer']} | {r['world']} | {r['config']} | {len(r['seeds'])} | {r['dense']:.2f} | "
+                f"{r['compressed']:.2f} | {r['gap_mean']:+.2f} | {r['gap_worst']:+.2f} | {r['bytes_ratio']:.1f}x |")
+        if movement:
+            line += f" {r['path_ratio']:.2f} | {r['displacement_ratio']:.2f} |"
+        if travel:
+            line += f" {r['travel_top10_dense']:.3f} / {r['travel_top10']:.3f} |"
+        lines.append(line + f" {'yes' if r['met'] else '**no**'} |")
     return lines
 
 

@@ -65,6 +65,9 @@ def test_smoke_run(tmp_path):
     records = result["records"]
     assert sorted(r["config"] for r in records) == ["dense", "topk"]
     assert all(r["steps"] == 6 and r["bytes_sent_all_ranks"] > 0 for r in records)
+    # the movement: the path is at least the displacement (triangle inequality)
+    assert all(r["path"] >= r["displacement"] > 0 and 0.1 <= r["travel_share_top10"] <= 1.0 for r in records)
+    assert 0 < row["path_ratio"] and 0 < row["displacement_ratio"]
     health = next(r for r in records if r["config"] == "topk")["health"]
     assert health["steps"] == 6 and 0.0 < health["effective_density"] < 0.05
     with open(out + ".md") as handle:
