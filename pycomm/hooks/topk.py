@@ -103,14 +103,8 @@ class TopKState(_CompressionState):
                  owner_density: Optional[float] = None, momentum: float = 0.0,
                  schedule: str = "bucket", min_compression_rate: Optional[float] = None,
                  small_bits: Optional[int] = 8, hosts=None, density_warmup: int = 0,
-                 start_density: float = 0.25, delivery: str = "sum", selection: str = "parameter"):
+                 start_density: float = 0.25):
         density = float(density)
-        if selection not in ("parameter", "global"):
-            raise ValueError(f"pycomm topk_hook: selection must be 'parameter' or 'global' (got {selection!r})")
-        if delivery not in ("sum", "rate"):
-            raise ValueError(f"pycomm topk_hook: delivery must be 'sum' or 'rate' (got {delivery!r})")
-        if delivery == "rate" and (schedule != "bucket" or exchange != "auto" or hosts is not None):
-            raise ValueError("pycomm topk_hook: delivery='rate' needs schedule='bucket', exchange='auto' and no hosts")
         if int(density_warmup) < 0:
             raise ValueError(f"pycomm topk_hook: density_warmup must be >= 0 (got {density_warmup!r})")
         if not 0.0 < float(start_density) <= 1.0:
@@ -154,9 +148,6 @@ class TopKState(_CompressionState):
         self._seen: List[tuple] = []  # this step's bucket layouts so far (learns _layout)
         self.hosts = hosts
         self._hosts: Optional[_HostGroups] = _HostGroups.build(process_group, hosts, self._op)
-        self.delivery = delivery
-        self.selection = selection
-        self._rates: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}  # delivery="rate": per bucket layout
 
     def _config(self) -> Dict[str, Any]:
         return {"density": self.density, "exact": self.exact, "error_feedback": self.error_feedback,
@@ -165,7 +156,7 @@ class TopKState(_CompressionState):
                 "momentum": self.momentum, "schedule": self.schedule,
                 "min_compression_rate": self.min_compression_rate, "small_bits": self.small_bits,
                 "hosts": _hosts_config(self.hosts), "density_warmup": self.density_warmup,
-                "start_density": self.start_density, "delivery": self.delivery}
+                "start_density": self.start_density}
 
     def density_at(self, step: int) -> float:
         """The density of synchronised step ``step``: ``density`` once the warm-up is over;
@@ -482,9 +473,7 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
     # Without momentum, on the CPU, every sparsified parameter of the bucket goes through one
     # kernel call (a call per parameter cost more in Python than the selection of the small
     # ones); with momentum the kernel reads each parameter's velocity instead.
-    one_call = not state.momentum and not grads.is_cuda and state.selection == "parameter"
-    shares = _global_shares(state, grads, e_all, segments, density, element_bytes, value_bytes) \
-        if state.selection == "global" else None
+    one_call = not state.momentum and not grads.is_cuda
     limit = _APPROX_MIN_NUMEL_CUDA if grads.is_cuda else _APPROX_MIN_NUMEL  # below it exact is as fast
     picked, index_parts, value_parts, dense = [], [], [], []
     for ordinal, offset, n in segments:
@@ -504,8 +493,7 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
             if state.momentum:
                 g.zero_()  # every entry is sent: momentum factor masking clears the whole velocity
             continue
-        d = density if shares is None else shares[ordinal]
-        indices, values = kernels.topk_ef(g, e, d, exact or shares is not None, seed)
+        indices, values = kernels.topk_ef(g, e, density, exact, seed)
         if state.momentum:
             g[indices] = 0.0  # momentum factor masking
         index_parts.append(indices + (base + offset))
@@ -523,22 +511,6 @@ def _topk_encode(state: TopKState, buffer: torch.Tensor, step: int, segments, re
     state._observe(step, grad_sq, residual_sq, indices.numel(), sparse_numel,
                    _dense_bytes(buffer, _group_size(state.process_group)))
     return indices, values, dense
-
-
-def _global_shares(state, grads, e_all, segments, density, element_bytes, value_bytes):
-    """selection="global": the density of each sparsified parameter such that together they
-    send the bucket's top ``density`` of |gradient + residual| (at least one entry each)."""
-    parts, owners = [], []
-    for ordinal, offset, n in segments:
-        if n and state.compressed(n, element_bytes, value_bytes):
-            parts.append((grads[offset: offset + n] + e_all[offset: offset + n]).abs_())
-            owners.append((ordinal, n))
-    if not parts:
-        return {}
-    everything = torch.cat(parts)
-    k = max(1, int(round(density * everything.numel())))
-    threshold = torch.topk(everything, k, sorted=False).values.min()
-    return {ordinal: max(1, int((part >= threshold).sum())) / n for (ordinal, n), part in zip(owners, parts)}
 
 
 def _sparse_and_dense(backend, state: TopKState, indices, values, out, residual, value_dtype, lengths,
@@ -700,9 +672,6 @@ def _topk_sparse(backend, state: TopKState, buffer: torch.Tensor, world: int, st
             return pending.future
         _launch_step(backend, state, world)  # buckets of this step already waiting go first
     residual = state._flat_residual(segments, numel)
-    if state.delivery == "rate":
-        return _topk_rate(backend, state, buffer, world, step, segments, group, rank, value_dtype, residual,
-                          lengths)
     indices, values, dense = _topk_encode(state, buffer, step, segments, residual, rank, 0, value_dtype)
     # The encode has read the bucket: a float32 CPU bucket takes the average itself (the
     # collective divides as it places the sums), which spares a bucket-sized allocation
@@ -712,38 +681,3 @@ def _topk_sparse(backend, state: TopKState, buffer: torch.Tensor, world: int, st
     fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step,
                             group, divisor=world if in_place else 1)
     return fut.then(_returned(buffer) if in_place else _averaged_into(buffer, world))
-
-
-def _topk_rate(backend, state: TopKState, buffer, world: int, step: int, segments, group, rank: int,
-               value_dtype, residual, lengths):
-    """delivery="rate": every rank keeps the same per-entry rate estimate G (float32) and
-    the step a sent entry last arrived. The ranks compress gradient - G (error feedback as
-    usual), the sparse all-reduce averages it into S, and the hook delivers G + S; then
-    each entry S touched gets G += S / (steps since it last arrived). The error feedback's
-    invariant is unchanged (delivered total = mean gradient total - mean residual), but an
-    entry whose gradient persists arrives every step at its rate instead of as one sum
-    every 1/density steps."""
-    numel = buffer.numel()
-    key = tuple(segments)
-    rate = state._rates.get(key)
-    if rate is None:
-        rate = state._rates[key] = (torch.zeros(numel, dtype=torch.float32),
-                                    torch.full((numel,), step - 1, dtype=torch.int64))
-    g, last = rate
-    x = buffer.to(torch.float32).reshape(-1) - g
-    indices, values, dense = _topk_encode(state, x, step, segments, residual, rank, 0, value_dtype)
-    out = torch.empty(numel, dtype=torch.float32)
-    fut = _sparse_and_dense(backend, state, indices, values, out, residual, value_dtype, lengths, dense, step,
-                            group, divisor=world)
-
-    def finish(f):
-        f.value()  # re-raises a failed collective
-        delivered = g + out
-        hit = out != 0
-        span = (step - last[hit]).to(torch.float32)
-        g[hit] += out[hit] / span
-        last[hit] = step
-        buffer.copy_(delivered.view_as(buffer))
-        return buffer
-
-    return fut.then(finish)
