@@ -12,6 +12,18 @@ the table is the median over batches (spread: min..max). DeepSpeed's op needs AV
 for bfloat16 and float16 (its kernels fault without it; DeepSpeed then falls back to
 torch's all_reduce on its process group): where the CPU lacks it the table says so
 instead of calling it.
+
+Noisy neighbours (``--background-load N``): each of --batches rounds measures every
+implementation twice, once on the machine as it is ("quiet") and once with N busy
+processes (``sh -c 'while :; do :; done'``, started and stopped by rank 0, each bounded
+by `timeout`) competing for the cores ("loaded"); the order of the two alternates from
+round to round, and the implementations alternate inside each. The table gives per
+implementation the quiet and loaded medians over rounds and loaded / quiet, the figure
+that says how much a neighbour's load costs it (the load average before each phase is
+in the JSON):
+
+    python benchmarks/inference_allreduce.py --ranks 4 --background-load 2 --sizes 524288 \
+        --dtypes float32 --out benchmarks/results/inference_allreduce_noisy
 """
 import argparse
 import json
@@ -50,6 +62,35 @@ def ds_op(world, rank):
     return op, None
 
 
+class BackgroundLoad:
+    """``n`` busy processes, each a shell loop bounded by ``timeout`` (so an orphan dies
+    on its own if the benchmark is killed before it stops them)."""
+
+    def __init__(self, n, limit_s=1800):
+        self.n, self.limit_s, self.procs = n, limit_s, []
+
+    def start(self):
+        import subprocess
+        self.procs = [subprocess.Popen(["timeout", str(self.limit_s), "sh", "-c", "while :; do :; done"])
+                      for _ in range(self.n)]
+        time.sleep(0.2)  # running, and the scheduler has seen them
+
+    def stop(self):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(10)
+        self.procs = []
+
+
+def _time(fn, t, calls, barrier):
+    barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(t)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def _rank(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import pycomm  # registers the backend
@@ -72,10 +113,10 @@ def _rank(rank, world, port, args, queue):
                 out["deepspeed"] = lambda t: torch.ops.deepspeed.inference_all_reduce_(t)
         return out
 
-    rows = []
+    cases = []  # (dtype name, size, base tensor, implementations, calls)
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
-        for size in SIZES:
+        for size in args.sizes:
             if size > args.max_bytes:
                 continue
             n = size // torch.tensor([], dtype=dtype).element_size()
@@ -88,21 +129,53 @@ def _rank(rank, world, port, args, queue):
                 fn(t)
                 if not torch.equal(t, exp):
                     raise AssertionError(f"{name} {dname} {size}: wrong sum")
-            calls = max(4, min(args.calls, (8 << 20) // size))
+            cases.append((dname, size, base, impls, max(4, min(args.calls, (8 << 20) // size))))
+
+    def barrier():
+        dist.barrier(group=gloo)
+
+    rows = []
+    phases = []  # with --background-load: (round, "quiet"/"loaded", load average before)
+    if args.background_load:
+        load = BackgroundLoad(args.background_load) if rank == 0 else None
+        times = [{"quiet": {name: [] for name in impls}, "loaded": {name: [] for name in impls}}
+                 for (_, _, _, impls, _) in cases]
+        try:
+            for b in range(args.batches):
+                for phase in (("quiet", "loaded") if b % 2 == 0 else ("loaded", "quiet")):
+                    if rank == 0 and phase == "loaded":
+                        load.start()
+                    barrier()
+                    if rank == 0:
+                        phases.append((b, phase, os.getloadavg()[0]))
+                    for i, (_, _, base, impls, calls) in enumerate(cases):
+                        t = base.clone()
+                        for name, fn in impls.items():
+                            times[i][phase][name].append(_time(fn, t, calls, barrier))
+                    barrier()
+                    if rank == 0 and phase == "loaded":
+                        load.stop()
+        finally:
+            if rank == 0:
+                load.stop()
+        for (dname, size, _, impls, calls), tm in zip(cases, times):
+            rows.append({"dtype": dname, "bytes": size, "calls": calls,
+                         "us": {k: statistics.median(v) for k, v in tm["quiet"].items()},
+                         "us_all": tm["quiet"],
+                         "us_loaded": {k: statistics.median(v) for k, v in tm["loaded"].items()},
+                         "us_loaded_all": tm["loaded"]})
+    else:
+        for dname, size, base, impls, calls in cases:
             times = {name: [] for name in impls}
             t = base.clone()
             for _ in range(args.batches):
                 for name, fn in impls.items():
-                    dist.barrier(group=gloo)
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        fn(t)
-                    times[name].append((time.perf_counter() - start) / calls * 1e6)
+                    times[name].append(_time(fn, t, calls, barrier))
             rows.append({"dtype": dname, "bytes": size, "calls": calls,
                          "us": {k: statistics.median(v) for k, v in times.items()},
                          "us_all": times})
     if rank == 0:
-        queue.put({"pycomm": pycomm.__file__, "rows": rows, "deepspeed": {"vector_level": level, "why_not": why},
+        queue.put({"pycomm": pycomm.__file__, "rows": rows, "phases": phases, "deepspeed": {"vector_level": level, "why_not": why},
                    "loadavg": os.getloadavg()})
     dist.barrier(group=gloo)
     dist.destroy_process_group()
@@ -116,6 +189,10 @@ def main():
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--batches", type=int, default=7)
     ap.add_argument("--max-bytes", type=int, default=4 << 20)
+    ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=SIZES,
+                    help="message sizes in bytes, comma-separated (default 2 KiB to 4 MiB)")
+    ap.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="also measure each round with N busy processes running (see above)")
     ap.add_argument("--out")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -148,6 +225,24 @@ def main():
         others = [row["us"][i] for i in impls if i != "pycomm" and i in row["us"]]
         ratio = f"{row['us']['pycomm'] / min(others):.2f}" if others and "pycomm" in row["us"] else ""
         lines.append(f"| {row['dtype']} | {row['bytes']} | " + " | ".join(cells) + f" | {ratio} |")
+    if args.background_load:
+        phases = result["phases"]
+        quiet = [f"{x[2]:.1f}" for x in phases if x[1] == "quiet"]
+        loaded = [f"{x[2]:.1f}" for x in phases if x[1] == "loaded"]
+        lines += ["", f"## Quiet against {args.background_load} busy background processes",
+                  "", f"Rounds alternate the two phases ({args.batches} each); 1-minute load average before "
+                  f"each quiet phase {', '.join(quiet)}, before each loaded phase {', '.join(loaded)}. "
+                  "Microseconds per call, median over rounds (min..max); loaded / quiet per implementation.", "",
+                  "| dtype | bytes | implementation | quiet | loaded | loaded / quiet |",
+                  "| --- | ---: | --- | ---: | ---: | ---: |"]
+        for row in result["rows"]:
+            for i in impls:
+                if i not in row["us"]:
+                    continue
+                q, lo = row["us_all"][i], row["us_loaded_all"][i]
+                lines.append(f"| {row['dtype']} | {row['bytes']} | {i} | {row['us'][i]:.1f} ({min(q):.0f}..{max(q):.0f}) "
+                             f"| {row['us_loaded'][i]:.1f} ({min(lo):.0f}..{max(lo):.0f}) "
+                             f"| {row['us_loaded'][i] / row['us'][i]:.2f} |")
     md = "\n".join(lines) + "\n"
     print(md)
     if args.out:

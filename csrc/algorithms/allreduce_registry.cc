@@ -12,7 +12,8 @@
 //            2 alpha + (n-1) delta + the same byte terms   (other n: n-1 messages in flight)
 //            L > 1 ranks on each of H hosts: the link term is 2 L S (H-1)/H beta (all
 //            L ranks of a host exchange across hosts at once; the ring's layout puts one
-//            edge per host on the link)
+//            edge per host on the link); halving/doubling's link term is charged 5% more
+//            where the model tells the link from the CPU (cpuBeta > 0; kShardedLinkShare)
 //   tree:    2k alpha + max(reduce + broadcast, o (n-1)/n S (4 w + gamma)),
 //            reduce = max(k S beta, k S (w + gamma)) (the root takes k children's S, each
 //            over its own link when only egress is limited: S beta), broadcast =
@@ -86,22 +87,38 @@ double ringCost(size_t bytes, const Topology& t) {
 // out host by host), else 1: the ranks of a host then share its link.
 int ranksPerHost(const Topology& t) { return t.hosts > 1 && t.hosts < t.ranks ? (t.ranks + t.hosts - 1) / t.hosts : 1; }
 
+// Halving/doubling moves the ring's bytes, but where the link is the limit it measured
+// slower than the ring: 4-6% at 4 and 16 MiB on 4 hosts at 1 Gbit/s with a core per
+// rank (benchmarks/results/h200_hosts4_1gbit.txt), from 1% faster to 24% slower at
+// 1-64 MiB on 4 and 8 hosts sharing 2 cores (plan_validation_burst.txt). Each step waits for its partner's last
+// segment before the next step's first is sent, where the ring's segments keep its link
+// busy across steps (the likely cause; not measured apart). Charged as this share of
+// sharded's link term, so a link-bound sharded loses to the ring it only beat by
+// 2 (n - 1 - log2 n) alpha, while a CPU-bound one (no rate, or the CPU term larger) keeps
+// its fewer steps. Only where the model tells the link from the CPU (cpuBeta > 0, a
+// calibrated model): the built-in constants' beta was fitted to whole all-reduces over
+// loopback and stands for both.
+constexpr double kShardedLinkShare = 0.05;
+
 double shardedCost(size_t bytes, const Topology& t) {
   const CostModel& m = t.cost;
   const int n = t.ranks;
   if (n <= 2) return kNever;  // on two ranks: the ring without its pipeline
   const bool powerOfTwo = (n & (n - 1)) == 0;
   const double messages = powerOfTwo ? 2.0 * log2Steps(n) * m.alpha : 2.0 * m.alpha + (n - 1) * m.delta;
+  const double linkFactor = powerOfTwo && m.cpuBeta > 0.0 ? 1.0 + kShardedLinkShare : 1.0;
+  const double part = static_cast<double>(n - 1) / n * bytesOf(bytes);
+  const double cpuTerm = cpu(2.0 * part * m.cpuBeta + part * m.gamma, t);
   // L ranks per host: the exchanges between hosts (halving's first steps, or every
   // owner off the host) put all L ranks on the host's link at once, 2 L S (H-1)/H bytes
   // each way where the ring's one edge per host carries 2P.
   const int local = ranksPerHost(t);
+  double link = 2.0 * part * m.beta;
   if (local > 1) {
     const double hosts = static_cast<double>(t.hosts);
-    const double link = 2.0 * local * (hosts - 1.0) / hosts * bytesOf(bytes) * m.beta;
-    return messages + std::max(link, shareTerms(bytes, t));
+    link = std::max(link, 2.0 * local * (hosts - 1.0) / hosts * bytesOf(bytes) * m.beta);
   }
-  return messages + shareTerms(bytes, t);
+  return messages + std::max(link * linkFactor, cpuTerm);
 }
 
 // tree.cc: a binomial reduce to rank 0, then a binomial broadcast from it. Rank 0 has

@@ -12,6 +12,7 @@
 #include "backend/process_group.h"
 #include "backend/device_seam.h"
 #include "common/stats.h"
+#include "transport/shm_wait.h"
 
 namespace py = pybind11;
 
@@ -170,6 +171,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_polling_limited", &pycomm::Request::pollingLimited,
         "whether only waits for small TCP messages (1 byte to 64 KiB) poll before they sleep: "
         "true for good once a group found more ranks on this machine than CPUs this process may use");
+  m.def("_shm_ignore_other_jobs", &pycomm::shmIgnoreOtherJobs, py::arg("ignore"),
+        "tests only: oversubscribed shared-memory waits poll with sched_yield as on a machine "
+        "without other jobs' runnable threads (by default they sleep at once where there are)");
   pycomm::registerKernelBindings(m);
 #ifdef PYCOMM_WITH_CUDA
   m.def("_built_with_cuda", [] { return true; });

@@ -1,10 +1,12 @@
 #include "transport/shm_arena.h"
+#include "transport/shm_wait.h"
 
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -110,6 +112,36 @@ std::string ShmArena::peerFailure(int peer, bool checkAlive) {
   return "";
 }
 
+int ShmArena::runnableTasks() {
+  // /proc/loadavg: "0.52 0.58 0.59 3/712 12345", the 4th field runnable/total threads.
+  char text[128];
+  FILE* f = std::fopen("/proc/loadavg", "re");
+  if (f == nullptr) return 0;
+  const size_t got = std::fread(text, 1, sizeof(text) - 1, f);
+  std::fclose(f);
+  text[got] = '\0';
+  int running = 0, total = 0;
+  double a = 0, b = 0, c = 0;
+  if (std::sscanf(text, "%lf %lf %lf %d/%d", &a, &b, &c, &running, &total) != 5) return 0;
+  return running;
+}
+
+namespace {
+std::atomic<bool> ignoreOtherJobs{false};
+}  // namespace
+
+void shmIgnoreOtherJobs(bool ignore) { ignoreOtherJobs.store(ignore, std::memory_order_relaxed); }
+
+bool ShmArena::othersRunnable() {
+  if (ignoreOtherJobs.load(std::memory_order_relaxed)) return false;
+  const auto now = Clock::now();
+  if (now >= nextLoadCheck_) {
+    nextLoadCheck_ = now + std::chrono::milliseconds(kLoadCheckMillis);
+    othersRunnable_ = runnableTasks() > localSize();
+  }
+  return othersRunnable_;
+}
+
 std::string ShmArena::waitFor(int peer, Phase phase, uint64_t value, Clock::time_point deadline,
                               bool* timedOut) {
   *timedOut = false;
@@ -124,7 +156,14 @@ std::string ShmArena::waitFor(int peer, Phase phase, uint64_t value, Clock::time
     for (int i = 0; i < kPausesPerLook; ++i) cpuRelax();
     if (ready()) return "";
   } while (Clock::now() < spinEnd);
-  if (oversubscribed_) {
+  // Oversubscribed, the wait polls with sched_yield (below) only while no thread
+  // besides the local ranks is runnable on the machine. Where other jobs are, a yield
+  // hands one of them the core for its time slice, and the scheduler (EEVDF) pushes
+  // the yielder's deadline back a slice at every yield: next to 2 busy processes, 4
+  // ranks on 2 cores took 12-17 times as long per all-reduce (2 KiB to 512 KiB) as
+  // without them while they yielded, 2.8-5.5 times sleeping at once on the futex
+  // (benchmarks/results/inference_allreduce_noisy_main.md, inference_allreduce_noisy.md).
+  if (oversubscribed_ && !othersRunnable()) {
     // More local ranks than cores: the peer we wait for is likely runnable on
     // our core. Yielding hands it the core at once, without the futex round trip,
     // and a poller is awake when the peer posts: a futex wake-up on a crowded

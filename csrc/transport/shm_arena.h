@@ -120,6 +120,14 @@ class ShmArena {
   bool spread_ = true;  // PYCOMM_SHM_SPREAD=0 turns spreadRanks off
   cpu_set_t allowed_;  // this thread's affinity mask when the arena was made
   Clock::time_point lastMove_{};
+  // Whether more threads are runnable on the machine than there are local ranks
+  // (/proc/loadavg), looked up at most every kLoadCheckMillis: other jobs want the
+  // cores, and an oversubscribed wait sleeps at once instead of yielding (waitFor).
+  bool othersRunnable();
+  static int runnableTasks();  // the machine's runnable threads, 0 where unknown
+  Clock::time_point nextLoadCheck_{};
+  bool othersRunnable_ = false;
+  static constexpr int kLoadCheckMillis = 20;
   // Oversubscribed waits poll with sched_yield this long before they sleep on the
   // futex (Open MPI polls with sched_yield without end on oversubscribed nodes).
   // Long enough to cover the skew of ranks leaving a barrier on a crowded host

@@ -187,7 +187,7 @@ def validate_hosts(model: Dict[str, float], hosts: Sequence[int] = VALIDATE_HOST
     return records
 
 
-def validation_table(records: List[dict], goal: float = 0.25, auto_slack: float = 0.10) -> List[str]:
+def validation_table(records: List[dict], goal: float = 0.25, auto_slack: float = 0.05) -> List[str]:
     """The records as a table: predicted against measured with the error, then auto's
     pick against the measured fastest, then the verdicts."""
     lines = [f"{'hosts':>5} {'rate':>7} {'ranks/core':>10} {'algorithm':>9} {'size':>8} {'predicted ms':>13} "

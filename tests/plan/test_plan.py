@@ -157,7 +157,10 @@ def test_egress_only_link_tree():
     assert nic["tree"] == pytest.approx(4 * a + 4 * S * b)
     # The link is slower than the copies: the symmetric algorithms are link-bound either way.
     assert egress["ring"] == nic["ring"] == pytest.approx(6 * a + 1.5 * S * b)
-    assert K._select_algorithm(S, 4, False, 4, cost_object(m), ingress_limited=False) == "sharded"
+    # Link-bound, halving/doubling's steps cost it 5% of its link term (allreduce_registry.cc,
+    # kShardedLinkShare): more than the ring's 2 extra messages here.
+    assert egress["sharded"] == pytest.approx(4 * a + 1.05 * 1.5 * S * b)
+    assert K._select_algorithm(S, 4, False, 4, cost_object(m), ingress_limited=False) == "ring"
 
 
 def test_builtin_constants_keep_autos_choices():
@@ -414,7 +417,7 @@ def test_validation_table():
     ]
     text = "\n".join(plan.validation_table(records))
     assert "1/2 within 25%, worst +50% (tree, 1 MiB)" in text
-    assert "one within 10% of it at 1/1" in text
+    assert "one within 5% of it at 1/1" in text
     assert plan.link_model(model(), "1gbit")["beta"] == pytest.approx(8e-9 * 1514 / 1448)
     assert plan.oversubscription(8, cores=2) == 4.0 and plan.oversubscription(1, cores=2) == 1.0
 
