@@ -148,3 +148,13 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\npycomm segments left in /dev/shm by exited processes: {left}")
         session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the multi-process runs used tests/mp_util.py's pool of ranks (when any did)."""
+    mp_util = sys.modules.get("mp_util")
+    if mp_util is None or not mp_util.POOL_STATS["runs"]:
+        return
+    stats = mp_util.POOL_STATS
+    terminalreporter.write_line(f"mp_util pool: {stats['runs']} runs on pooled ranks, {stats['reused']} of them on "
+                                f"ranks that had run one before; sets ended after a run: {stats['retired']}")
