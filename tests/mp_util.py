@@ -71,7 +71,9 @@ _HEADER = struct.Struct("!Q")
 # How ranks start: "forkserver" (the server imports these once; each rank is a fork of it)
 # or "spawn" (a fresh interpreter per rank).
 START_METHOD = os.environ.get("PYCOMM_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "pycomm"]
+# What every rank imports anyway: the test's module imports pytest and this module, which
+# cost a forked rank more than its process group's set-up if each imported them itself.
+_PRELOAD = ["torch", "torch.distributed", "pycomm", "numpy", "pytest", "mp_util"]
 # Variables that act only when a library loads (torch and what it links are loaded in the
 # fork server already): a run that sets one starts its ranks with spawn. OMP_NUM_THREADS
 # is not among them: every rank calls torch.set_num_threads(1).
@@ -661,6 +663,9 @@ def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands
 
     if backend == "pycomm":
         import pycomm  # noqa: F401
+    import gc
+
+    gc.freeze()  # what the server imported is never garbage: collections skip it
     # What a fresh fork of the server starts every case with.
     cwd = os.getcwd()
     torch_rng = torch.get_rng_state()
@@ -728,13 +733,18 @@ def _leftovers(dist, threads_before, os_threads_before, handlers):
 
     if dist.is_initialized():
         return "a process group is still initialized"
-    gc.collect()
     deadline = time.monotonic() + _THREAD_SETTLE_S
+    collected = False
     while True:
         extra = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         os_threads = _os_threads()
         if not extra and os_threads <= os_threads_before:
             break
+        if not collected:
+            # a group kept alive by a reference cycle keeps its threads until collected
+            # (a full collection is cheap here: gc.freeze() at the start left only the cases' objects)
+            gc.collect()
+            collected = True
         if time.monotonic() > deadline:
             if extra:
                 return f"threads still running: {[t.name for t in extra]}"
