@@ -140,6 +140,8 @@ def _dev_shm_leftovers():
 def pytest_sessionfinish(session, exitstatus):
     """/dev/shm must be clean after the suite: pycomm unlinks its segments as soon as
     every local rank mapped them, so none may outlive its creator."""
+    if "mp_util" in sys.modules:
+        sys.modules["mp_util"].close_pool()  # its ranks' segments are judged once they are gone
     late = sorted(_sanitizer_reports() - _seen_reports)
     if late:
         print(f"\nsanitizer report(s) written after the last test in {SANITIZER_LOGS}: {late}")

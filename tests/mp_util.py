@@ -58,7 +58,8 @@ from typing import Any, Callable
 
 import pytest
 
-__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all"]
+__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all",
+           "process_context", "in_environment"]
 
 # Default wall-clock limit for one spawned run (all ranks together).
 DEFAULT_RUN_TIMEOUT_S = 180.0
@@ -98,6 +99,22 @@ def _context(method):
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
     return ctx
+
+
+def process_context():
+    """The multiprocessing context of spawn_run's fresh ranks (the fork server, or spawn
+    under PYCOMM_TEST_START_METHOD=spawn), for tests that manage their processes
+    themselves: start them with ``target=in_environment, args=(dict(os.environ), fn, ...)``
+    so that a forked one sees the environment of the call, not the server's."""
+    return _context(START_METHOD)
+
+
+def in_environment(env, fn, *args):
+    """``fn(*args)`` with ``os.environ`` replaced by ``env`` (a process's target)."""
+    faulthandler.enable(all_threads=True)
+    os.environ.clear()
+    os.environ.update(env)
+    return fn(*args)
 
 
 # The most the parent reads from one pipe before it looks at the clock again.
@@ -441,11 +458,15 @@ def spawn_run(
     rank_envs = [dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()})
                  for rank in range(world_size)]
     start = time.monotonic()
-    ranks = None
+    ranks = case = None
     if POOL and method == "forkserver" and not any(netns or ()):
+        try:
+            case = pickle.dumps((fn, args))
+        except Exception:  # noqa: BLE001  (what only multiprocessing's pickler takes: fresh ranks)
+            case = None
+    if case is not None:
         key = (world_size, backend, init, make_ref, master_addr,
                tuple(tuple(sorted(e.items())) for e in rank_envs))
-        case = pickle.dumps((fn, args))  # raises here, in the test, for an fn that does not pickle
         ranks = _lease(key)
         try:
             ranks.start_case(case, rank_envs, tmpdir, port, pg_timeout_s)

@@ -171,5 +171,6 @@ def test_a_case_that_leaves_a_thread_running_is_not_followed_on_its_ranks(own_ke
 
 
 def test_a_function_that_does_not_pickle_fails_in_the_test(own_key):
+    """(on fresh ranks, as without the pool: multiprocessing's pickler refuses it too)"""
     with pytest.raises((AttributeError, TypeError, __import__("pickle").PicklingError)):
         _run(lambda ctx: 1)

@@ -3,7 +3,6 @@ and ranks that disagree on a call. Survivors must raise (never hang), within the
 group timeout plus a few seconds, naming the rank at fault; afterwards the group
 says it is unusable and a new one works in the same process."""
 import datetime
-import multiprocessing
 import os
 import queue
 import signal
@@ -12,19 +11,22 @@ import time
 
 import pytest
 
-from mp_util import wait_for_files
+from mp_util import in_environment, process_context, wait_for_files
 
 WAIT_LIMIT_S = 120  # hard wall-clock bound on every spawned run
 
 
 def _spawn(target, world, args, timeout_s=WAIT_LIMIT_S):
-    """Runs target(rank, world, q, *args) in `world` spawned processes; returns
+    """Runs target(rank, world, q, *args) in `world` fresh processes (forked from
+    mp_util's server, or spawned under PYCOMM_TEST_START_METHOD=spawn); returns
     {rank: result} of those that reported. Kills whatever is left at the deadline.
     A process that dies on a signal other than SIGKILL (the tests' own kills), e.g.
     a crash or a sanitizer's abort even after it reported, fails the test."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, q, *args), daemon=True) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=in_environment, args=(env, target, r, world, q, *args), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + timeout_s
