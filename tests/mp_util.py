@@ -35,6 +35,11 @@ reporting (segfault, abort) is reported with its exit code.
 anything it returns must be picklable. A rank started from a fresh interpreter spends
 about 2 s of CPU importing torch; forked from the server it starts at once. Tests still
 group many checks into one run: each run also pays the process group set-up.
+
+Fork-server runs go to a pool of ranks that stay (see "the pool of ranks" below): a run
+like the one before it (same world size, backend, init, ref, environment) reuses its
+ranks when that one ended cleanly, and gets fresh ones otherwise. The deadline, the
+pipes, the diagnosis of a hang and what ``fn`` sees are those of a fresh run.
 """
 
 from __future__ import annotations
