@@ -627,9 +627,12 @@ def _supervise(procs, receivers, world_size, backend, start, timeout_s, exit_tim
 # much as a small test's own work. A pooled run goes instead to ranks that stay: one set
 # per (world size, backend, init, make_ref, master address, environment of each rank),
 # each rank a fork of the server as a fresh one is, looping over cases (a case: the
-# default group and the gloo ref made, fn, the group destroyed, as _child does). A set
+# default group and the gloo ref made, fn, the group destroyed, as _child does). Each case
+# starts as a fresh rank would: the call's environment, the server's working directory,
+# CPU affinity, torch and numpy random state, default dtype and threads, pycomm's counters
+# at zero and its CPU kernels' default. A set
 # runs another case only after one that ended cleanly on every rank: every rank returned,
-# destroyed its group and left no thread or signal handler of the case behind. After
+# destroyed its group and left no thread, signal handler or resource limit of the case behind. After
 # anything else (an error, a crash, a hang, a rank gone by abrupt_exit, a deadline) its
 # ranks are killed and the next case gets fresh ones. Runs that must start fresh (spawn,
 # pre_init, load-time variables, network namespaces) never come here.
@@ -698,6 +701,8 @@ def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands
     numpy_rng = sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None
     default_dtype = torch.get_default_dtype()
     handlers = _signal_handlers()
+    limits = _limits()
+    affinity = os.sched_getaffinity(0)
     isa = _cpu_isa()
     while True:
         try:
@@ -708,6 +713,7 @@ def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        os.sched_setaffinity(0, affinity)
         torch.set_rng_state(torch_rng)
         random.seed()
         if numpy_rng is not None:
@@ -728,7 +734,7 @@ def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands
         _run_case(q, rank, world_size, backend, fn, args, tmpdir, init, port, pg_timeout_s, make_ref, master_addr)
         del fn, args
         q.put(("progress", rank, "finished; checking what the case left behind"))
-        why = _leftovers(dist, threads_before, os_threads_before, handlers)
+        why = _leftovers(dist, threads_before, os_threads_before, handlers, limits)
         q.put(("exit", rank, why))
 
 
@@ -753,7 +759,13 @@ def _reset_pycomm(isa) -> None:
         _C.kernels.set_cpu_isa(isa)
 
 
-def _leftovers(dist, threads_before, os_threads_before, handlers):
+def _limits() -> dict:
+    import resource
+
+    return {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+
+
+def _leftovers(dist, threads_before, os_threads_before, handlers, limits):
     """Why this rank must not run another case (None when it may)."""
     import gc
 
@@ -778,6 +790,8 @@ def _leftovers(dist, threads_before, os_threads_before, handlers):
         time.sleep(0.01)
     if _signal_handlers() != handlers:
         return "signal handlers changed"
+    if _limits() != limits:
+        return "resource limits changed"
     return None
 
 

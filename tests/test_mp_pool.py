@@ -39,7 +39,8 @@ def _observe(ctx, tag):
     return {"pid": os.getpid(), "sum": t.tolist(), "ref": ref.tolist(), "tag": tag,
             "rank": dist.get_rank(), "world": dist.get_world_size(), "env": os.environ.get("PYCOMM_TEST_POOL_ENV"),
             "randn": torch.randn(3).tolist(), "dtype": str(torch.get_default_dtype()),
-            "threads": torch.get_num_threads(), "cwd": os.getcwd(), "tmpdir_files": sorted(os.listdir(ctx.tmpdir))}
+            "threads": torch.get_num_threads(), "cwd": os.getcwd(), "tmpdir_files": sorted(os.listdir(ctx.tmpdir)),
+            "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def _pids(res):
@@ -63,6 +64,7 @@ def _litter(ctx):
     torch.randn(5)
     torch.set_default_dtype(torch.float64)
     os.chdir(ctx.tmpdir)
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     return os.getpid()
 
 
