@@ -112,14 +112,15 @@ def test_sigkill_mid_collective_names_the_lost_rank(tmp_path, algo):
     assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
 
 
-def _never_joins_worker(rank, world, q, rdzv):
+def _never_joins_worker(rank, world, q, rdzv, done):
     import torch.distributed as dist
 
     import pycomm  # noqa: F401
 
     if rank == 1:
-        time.sleep(12)  # never calls init_process_group within rank 0's timeout (4 s; the test allows 9)
-        q.put((rank, "slept"))
+        # never calls init_process_group: stays until rank 0 has given up (4 s timeout; the
+        # test allows 9), at most 12 s
+        q.put((rank, "waited" if wait_for_files([done], limit_s=12) else "slept"))
         return
     start = time.monotonic()
     try:
@@ -128,10 +129,12 @@ def _never_joins_worker(rank, world, q, rdzv):
         q.put((rank, {"error": None}))
     except Exception as e:  # noqa: BLE001
         q.put((rank, {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}))
+    open(done, "w").close()
 
 
 def test_rank_that_never_joins_times_out_naming_it(tmp_path):
-    results = _spawn(_never_joins_worker, 2, (f"file://{tmp_path}/rdzv",), timeout_s=60)
+    results = _spawn(_never_joins_worker, 2, (f"file://{tmp_path}/rdzv", str(tmp_path / "rank0-done")),
+                     timeout_s=60)
     res = results[0]
     assert res["error"] is not None, res
     assert "rank 1" in res["error"] and "timed out" in res["error"], res["error"]
