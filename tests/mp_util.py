@@ -470,11 +470,9 @@ def spawn_run(
         except Exception:  # noqa: BLE001  (what only multiprocessing's pickler takes: fresh ranks)
             case = None
     if case is not None:
-        key = (world_size, backend, init, make_ref, master_addr,
-               tuple(tuple(sorted(e.items())) for e in rank_envs))
-        ranks = _lease(key)
+        ranks = _lease(world_size)
         try:
-            ranks.start_case(case, rank_envs, tmpdir, port, pg_timeout_s)
+            ranks.start_case(case, rank_envs, (backend, tmpdir, init, port, pg_timeout_s, make_ref, master_addr))
         except BaseException:
             ranks.close()
             shutil.rmtree(tmpdir, ignore_errors=True)
@@ -625,9 +623,9 @@ def _supervise(procs, receivers, world_size, backend, start, timeout_s, exit_tim
 #
 # Forking a rank, importing the test's module in it and leaving costs every run about as
 # much as a small test's own work. A pooled run goes instead to ranks that stay: one set
-# per (world size, backend, init, make_ref, master address, environment of each rank),
-# each rank a fork of the server as a fresh one is, looping over cases (a case: the
-# default group and the gloo ref made, fn, the group destroyed, as _child does). Each case
+# per world size, each rank a fork of the server as a fresh one is, looping over cases (a
+# case: the default group with the run's backend and init, the gloo ref if asked, fn, the
+# group destroyed, as _child does). Each case
 # starts as a fresh rank would: the call's environment, the server's working directory,
 # CPU affinity, torch and numpy random state, default dtype and threads, pycomm's counters
 # at zero and its CPU kernels' default. A set
@@ -639,10 +637,10 @@ def _supervise(procs, receivers, world_size, backend, start, timeout_s, exit_tim
 # PYCOMM_TEST_POOL=0 turns the pool off.
 POOL = os.environ.get("PYCOMM_TEST_POOL", "1") != "0"
 # Idle ranks kept over all sets (the least recently used sets go first).
-POOL_MAX_IDLE_RANKS = int(os.environ.get("PYCOMM_TEST_POOL_RANKS", "8"))
+POOL_MAX_IDLE_RANKS = int(os.environ.get("PYCOMM_TEST_POOL_RANKS", "12"))
 # How long a finished case's threads get to end before its rank is judged not reusable.
 _THREAD_SETTLE_S = 2.0
-_idle: "dict[tuple, _RankSet]" = {}  # key -> idle set, least recently used first
+_idle: "dict[int, _RankSet]" = {}  # world size -> idle set, least recently used first
 # Runs on pooled ranks, how many of them on ranks that had run a case before, and why sets
 # were ended after a run (reported at the end of the session, tests/conftest.py).
 POOL_STATS = {"runs": 0, "reused": 0, "retired": {}}
@@ -678,7 +676,7 @@ def _signal_handlers() -> dict:
     return handlers
 
 
-def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands, conn):
+def _pool_child(rank, world_size, commands, conn):
     """A pooled rank: runs the cases that arrive on ``commands`` one after another;
     leaves when the parent closes it (or dies)."""
     q = _Sender(conn)
@@ -690,8 +688,7 @@ def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    if backend == "pycomm":
-        import pycomm  # noqa: F401
+    import pycomm  # noqa: F401  (the server loaded it: the "pycomm" backend is registered)
     import gc
 
     gc.freeze()  # what the server imported is never garbage: collections skip it
@@ -709,7 +706,7 @@ def _pool_child(rank, world_size, backend, init, make_ref, master_addr, commands
             blob = commands.recv_bytes()
         except (EOFError, OSError):
             os._exit(0)
-        case, env, tmpdir, port, pg_timeout_s = pickle.loads(blob)
+        case, env, (backend, tmpdir, init, port, pg_timeout_s, make_ref, master_addr) = pickle.loads(blob)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
@@ -799,9 +796,8 @@ class _RankSet:
     """The ranks of one pool key: each a process forked from the server, with a pipe for
     its cases (parent -> rank) and one for its messages (rank -> parent)."""
 
-    def __init__(self, key):
-        world_size, backend, init, make_ref, master_addr, _ = key
-        self.key = key
+    def __init__(self, world_size):
+        self.key = world_size
         self.cases = 0
         mp = _context("forkserver")
         self.procs, self.receivers, self.commands = [], [], []
@@ -809,7 +805,7 @@ class _RankSet:
             reader, writer = mp.Pipe(duplex=False)
             cmd_reader, cmd_writer = mp.Pipe(duplex=False)
             p = mp.Process(target=_pool_child,
-                           args=(rank, world_size, backend, init, make_ref, master_addr, cmd_reader, writer),
+                           args=(rank, world_size, cmd_reader, writer),
                            name=f"pool{world_size}-rank{rank}", daemon=True)
             p.start()
             writer.close()
@@ -819,11 +815,11 @@ class _RankSet:
             self.receivers.append(_Receiver(reader))
             self.commands.append(cmd_writer)
 
-    def start_case(self, case, rank_envs, tmpdir, port, pg_timeout_s) -> None:
+    def start_case(self, case, rank_envs, settings) -> None:
         self.cases += 1
         for rank, p in enumerate(self.procs):
             p.reusable = "did not finish the case"
-            blob = pickle.dumps((case, rank_envs[rank], tmpdir, port, pg_timeout_s))
+            blob = pickle.dumps((case, rank_envs[rank], settings))
             # in a thread: a rank that does not read (stuck, dead) must not block the
             # parent; the run's deadline deals with it
             threading.Thread(target=self._send, args=(self.commands[rank], blob), daemon=True).start()

@@ -1,14 +1,12 @@
 """tests/mp_util.py's pool of ranks: a pooled run gives what a fresh one gives, runs on the
-same processes as the run before it when that one ended cleanly, and on fresh ones after
-a run that hung, crashed, raised, left a rank gone or a thread behind."""
+same processes as the run of its world size before it when that one ended cleanly, and on
+fresh ones after a run that hung, crashed, raised, left a rank gone or a thread behind."""
 from __future__ import annotations
 
 import os
 import signal
 import threading
 import time
-import uuid
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,13 +20,11 @@ pytestmark = pytest.mark.skipif(mp_util.START_METHOD != "forkserver",
 
 @pytest.fixture
 def own_key(monkeypatch):
-    """An environment no other test's runs share: these runs get pool sets of their own."""
-    monkeypatch.setenv("PYCOMM_TEST_POOL_CASE", uuid.uuid4().hex)
+    """The pool on, and empty before and after the test."""
     monkeypatch.setattr(mp_util, "POOL", True)
+    mp_util.close_pool()
     yield
-    for key in [k for k in mp_util._idle if ("PYCOMM_TEST_POOL_CASE", os.environ["PYCOMM_TEST_POOL_CASE"])
-                in k[-1][0]]:
-        mp_util._idle.pop(key).close()
+    mp_util.close_pool()
 
 
 def _observe(ctx, tag):
@@ -84,13 +80,25 @@ def test_pooled_runs_reuse_ranks_and_match_fresh_ones(own_key, monkeypatch, worl
     assert first.returns[0]["env"] == "x"
 
 
-def test_each_environment_gets_its_own_ranks(own_key):
-    a = _run(_observe, args=("a",), env={"PYCOMM_TEST_POOL_ENV": "a"}).check()
-    b = _run(_observe, args=("b",), env={"PYCOMM_TEST_POOL_ENV": "b"}).check()
-    assert not set(_pids(a)) & set(_pids(b))
-    assert [b.returns[r]["env"] for r in range(2)] == ["b", "b"]
-    again = _run(_observe, args=("a",), env={"PYCOMM_TEST_POOL_ENV": "a"}).check()
-    assert _pids(again) == _pids(a)
+def _backend(ctx):
+    return {"pid": os.getpid(), "backend": dist.get_backend(), "ref": ctx.ref is not None,
+            "env": os.environ.get("PYCOMM_TEST_POOL_ENV"), "rank_env": os.environ.get("PYCOMM_TEST_POOL_RANK"),
+            "init": os.environ.get("MASTER_PORT") is not None}
+
+
+def test_runs_of_one_world_size_share_ranks_whatever_they_ask(own_key):
+    """The backend, the rendezvous, the ref group and the environment are the run's own."""
+    a = _run(_backend, env={"PYCOMM_TEST_POOL_ENV": "a"}).check()
+    b = _run(_backend, backend="gloo", make_ref=False, init="env", env={"PYCOMM_TEST_POOL_ENV": "b"},
+             rank_env=[{"PYCOMM_TEST_POOL_RANK": "0"}, {"PYCOMM_TEST_POOL_RANK": "1"}]).check()
+    c = _run(_backend, init="tcp").check()
+    assert _pids(a) == _pids(b) == _pids(c)
+    assert [a.returns[r]["backend"] for r in range(2)] == ["pycomm", "pycomm"]
+    assert [b.returns[r]["backend"] for r in range(2)] == ["gloo", "gloo"]
+    assert [(r["ref"], r["env"], r["rank_env"], r["init"]) for r in a.returns.values()] == [(True, "a", None, False)] * 2
+    assert [(b.returns[r]["ref"], b.returns[r]["env"], b.returns[r]["rank_env"], b.returns[r]["init"])
+            for r in range(2)] == [(False, "b", "0", True), (False, "b", "1", True)]
+    assert [(r["env"], r["rank_env"], r["init"]) for r in c.returns.values()] == [(None, None, False)] * 2
 
 
 def _hang_on_rank1(ctx):
