@@ -89,7 +89,7 @@ SLOW_MODULES = frozenset({
 SLOW_TESTS = frozenset({
     "test_plan::test_calibrate_and_cache", "test_plan::test_validate_across_namespaces",
     "test_plan::test_cli_predicts_without_a_calibration",
-    "test_bench::test_cli_usage_errors", "test_bench::test_demo", "test_bench::test_call_cost_script_reports_every_rank",
+    "test_bench::test_cli_usage_error_through_python_m", "test_bench::test_demo", "test_bench::test_call_cost_script_reports_every_rank",
     "test_bench::test_cli_tcp_reference_line", "test_bench::test_latency_floor_script_prints_each_kind",
     "test_bench::test_call_cost_threads_names_pycomm_threads", "test_bench::test_cli_pycomm_vs_gloo",
     "test_bench::test_cli_harness_on_gloo", "test_bench::test_cli_compressed_columns",
