@@ -89,7 +89,7 @@ SLOW_MODULES = frozenset({
 SLOW_TESTS = frozenset({
     "test_plan::test_calibrate_and_cache", "test_plan::test_validate_across_namespaces",
     "test_plan::test_cli_predicts_without_a_calibration",
-    "test_bench::test_cli_usage_errors", "test_bench::test_demo", "test_bench::test_call_cost_script_reports_every_rank",
+    "test_bench::test_cli_usage_error_through_python_m", "test_bench::test_demo", "test_bench::test_call_cost_script_reports_every_rank",
     "test_bench::test_cli_tcp_reference_line", "test_bench::test_latency_floor_script_prints_each_kind",
     "test_bench::test_call_cost_threads_names_pycomm_threads", "test_bench::test_cli_pycomm_vs_gloo",
     "test_bench::test_cli_harness_on_gloo", "test_bench::test_cli_compressed_columns",
@@ -140,6 +140,8 @@ def _dev_shm_leftovers():
 def pytest_sessionfinish(session, exitstatus):
     """/dev/shm must be clean after the suite: pycomm unlinks its segments as soon as
     every local rank mapped them, so none may outlive its creator."""
+    if "mp_util" in sys.modules:
+        sys.modules["mp_util"].close_pool()  # its ranks' segments are judged once they are gone
     late = sorted(_sanitizer_reports() - _seen_reports)
     if late:
         print(f"\nsanitizer report(s) written after the last test in {SANITIZER_LOGS}: {late}")
@@ -148,3 +150,13 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\npycomm segments left in /dev/shm by exited processes: {left}")
         session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the multi-process runs used tests/mp_util.py's pool of ranks (when any did)."""
+    mp_util = sys.modules.get("mp_util")
+    if mp_util is None or not mp_util.POOL_STATS["runs"]:
+        return
+    stats = mp_util.POOL_STATS
+    terminalreporter.write_line(f"mp_util pool: {stats['runs']} runs on pooled ranks, {stats['reused']} of them on "
+                                f"ranks that had run one before; sets ended after a run: {stats['retired']}")

@@ -10,10 +10,12 @@ into python (`make test-asan` sets it up)."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import glob
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,20 +59,84 @@ def cache_dir() -> str:
     return path
 
 
-def _headers_digest() -> bytes:
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def includes(source: str) -> list:
+    """``source`` and every file it includes with ``#include "..."``, transitively (found
+    beside the including file or under csrc/, as -Icsrc finds them): what its object
+    depends on besides the compiler, the flags and the system's headers."""
+    seen, stack = set(), [os.path.abspath(source)]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        with open(path, errors="replace") as f:
+            text = f.read()
+        for name in _INCLUDE.findall(text):
+            for base in (os.path.dirname(path), CSRC):
+                candidate = os.path.normpath(os.path.join(base, name))
+                if os.path.isfile(candidate):
+                    stack.append(candidate)
+                    break
+    return sorted(seen)
+
+
+def _digest(paths) -> "hashlib._Hash":
+    """Of the files' contents and their names: relative to the checkout (a clone elsewhere
+    finds what this one built), the base name of a file outside it (a source a test
+    writes to its tmp_path is found again by its content)."""
     digest = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(CSRC, "**", "*.h"), recursive=True)):
+    for path in paths:
         with open(path, "rb") as f:
-            digest.update(path.encode() + f.read())
-    return digest.digest()
+            path = os.path.abspath(path)
+            name = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else os.path.basename(path)
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest
 
 
 def _key(paths, extra=()) -> str:
-    digest = hashlib.sha256(_headers_digest() + " ".join((compiler(),) + FLAGS + tuple(extra)).encode())
-    for path in paths:
-        with open(path, "rb") as f:
-            digest.update(path.encode() + f.read())
+    """The cache key of what ``paths`` build into: their contents with those of every
+    header they include, the compiler and the flags."""
+    files = sorted({dep for path in paths for dep in (includes(path) if path.endswith((".cc", ".h", ".cu", ".cuh"))
+                                                       else [path])})
+    digest = _digest(files)
+    digest.update(" ".join((compiler(),) + FLAGS + tuple(extra)).encode())
     return digest.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=None)
+def tool_version(tool: str) -> str:
+    """``tool --version``'s output (part of a cached check's key)."""
+    proc = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60)
+    return proc.stdout + proc.stderr
+
+
+def cached_check(cmd: list, sources: list, tools: list = (), extra_key: str = "",
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)`` (text output captured), or the result it gave before for the
+    same command, the same contents of ``sources`` and every header they include, the
+    same ``--version`` of each of ``tools`` and the same ``extra_key`` (what else the
+    command reads: torch's version and headers' path). Only a clean result (exit code 0)
+    is kept: a failure always runs again."""
+    import json
+
+    digest = _digest(sorted({dep for source in sources for dep in includes(source)}))
+    digest.update(json.dumps([cmd, [tool_version(t) for t in tools], extra_key]).replace(ROOT, "<checkout>").encode())
+    path = os.path.join(cache_dir(), "checks", digest.hexdigest()[:24] + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            got = json.load(f)
+        return subprocess.CompletedProcess(cmd, got["returncode"], got["stdout"], got["stderr"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}, f)
+        os.replace(tmp, path)
+    return proc
 
 
 def _compile(source: str, extra=()) -> str:
@@ -105,12 +171,12 @@ def binary(main_source: str) -> str:
 def python_module(name: str, source: str):
     """A pybind11 module `name` from `source` plus the library objects, imported."""
     pybind11 = pytest.importorskip("pybind11")
-    includes = ["-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"]]
+    include_flags = ["-I", pybind11.get_include(), "-I", sysconfig.get_paths()["include"]]
     objects = library_objects()
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    out = os.path.join(cache_dir(), f"{name}-{_key([source] + objects, includes)}{suffix}")
+    out = os.path.join(cache_dir(), f"{name}-{_key([source] + objects, include_flags)}{suffix}")
     if not os.path.exists(out):
-        module_obj = _compile(source, includes)
+        module_obj = _compile(source, include_flags)
         tmp = f"{out}.{os.getpid()}.tmp"  # the ranks of one test build it at once
         subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, *LIBS, "-o", tmp], check=True,
                        timeout=600)

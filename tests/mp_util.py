@@ -35,6 +35,11 @@ reporting (segfault, abort) is reported with its exit code.
 anything it returns must be picklable. A rank started from a fresh interpreter spends
 about 2 s of CPU importing torch; forked from the server it starts at once. Tests still
 group many checks into one run: each run also pays the process group set-up.
+
+Fork-server runs go to a pool of ranks that stay (see "the pool of ranks" below): a run
+like the one before it (same world size, backend, init, ref, environment) reuses its
+ranks when that one ended cleanly, and gets fresh ones otherwise. The deadline, the
+pipes, the diagnosis of a hang and what ``fn`` sees are those of a fresh run.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import pickle
 import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -57,7 +63,8 @@ from typing import Any, Callable
 
 import pytest
 
-__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all"]
+__all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all",
+           "process_context", "in_environment"]
 
 # Default wall-clock limit for one spawned run (all ranks together).
 DEFAULT_RUN_TIMEOUT_S = 180.0
@@ -70,7 +77,9 @@ _HEADER = struct.Struct("!Q")
 # How ranks start: "forkserver" (the server imports these once; each rank is a fork of it)
 # or "spawn" (a fresh interpreter per rank).
 START_METHOD = os.environ.get("PYCOMM_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "pycomm"]
+# What every rank imports anyway: the test's module imports pytest and this module, which
+# cost a forked rank more than its process group's set-up if each imported them itself.
+_PRELOAD = ["torch", "torch.distributed", "pycomm", "numpy", "pytest", "mp_util"]
 # Variables that act only when a library loads (torch and what it links are loaded in the
 # fork server already): a run that sets one starts its ranks with spawn. OMP_NUM_THREADS
 # is not among them: every rank calls torch.set_num_threads(1).
@@ -95,6 +104,22 @@ def _context(method):
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
     return ctx
+
+
+def process_context():
+    """The multiprocessing context of spawn_run's fresh ranks (the fork server, or spawn
+    under PYCOMM_TEST_START_METHOD=spawn), for tests that manage their processes
+    themselves: start them with ``target=in_environment, args=(dict(os.environ), fn, ...)``
+    so that a forked one sees the environment of the call, not the server's."""
+    return _context(START_METHOD)
+
+
+def in_environment(env, fn, *args):
+    """``fn(*args)`` with ``os.environ`` replaced by ``env`` (a process's target)."""
+    faulthandler.enable(all_threads=True)
+    os.environ.clear()
+    os.environ.update(env)
+    return fn(*args)
 
 
 # The most the parent reads from one pipe before it looks at the clock again.
@@ -294,6 +319,17 @@ def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_tim
     faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(env)  # the parent's environment at the call, with the run's on top
+    _run_case(q, rank, world_size, backend, fn, args, tmpdir, init, port, pg_timeout_s, make_ref, master_addr,
+              pre_init)
+    q.put(("exit", rank, None))
+    q.close()
+
+
+def _run_case(q, rank, world_size, backend, fn, args, tmpdir, init, port, pg_timeout_s, make_ref, master_addr,
+              pre_init=None) -> None:
+    """One run's work in a rank: the default group (and the gloo ``ref``), ``fn``, its result
+    sent, the group destroyed. A rank whose ``fn`` (or set-up) raised reports it and leaves
+    at once with os._exit(1), without tearing down: its peers see it as gone."""
     dist = None
     try:
         if pre_init is not None:
@@ -336,8 +372,6 @@ def _child(rank, world_size, backend, fn, args, conn, tmpdir, init, port, pg_tim
             dist.destroy_process_group()
     except BaseException:
         q.put(("error", rank, "destroy_process_group() failed:\n" + traceback.format_exc()))
-    q.put(("exit", rank, None))
-    q.close()
 
 
 @dataclasses.dataclass
@@ -420,35 +454,67 @@ def spawn_run(
     ranks on few cores need more than the default). ``start_method``: "spawn" or
     "forkserver" (default: see _start_method)."""
     keys = set(env or {}) | {k for extra in (rank_env or []) for k in extra}
-    mp = _context(_start_method(start_method, keys, pre_init))
+    method = _start_method(start_method, keys, pre_init)
     tmpdir = tempfile.mkdtemp(prefix="pycomm_mp_")
     port = free_port() if init in ("tcp", "env") else 0
     # the parent's environment now, then the run's: a forked rank would otherwise see the
     # environment the fork server started with
     env = dict(os.environ, **{k: str(v) for k, v in (env or {}).items()})
-    procs, receivers = [], []
+    rank_envs = [dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()})
+                 for rank in range(world_size)]
     start = time.monotonic()
-    for rank in range(world_size):
-        reader, writer = mp.Pipe(duplex=False)
-        rest = (tmpdir, init, port, pg_timeout_s, make_ref,
-                dict(env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}), master_addr,
-                pre_init)
-        ns = netns[rank] if netns else None
-        if ns is None:
-            target, pargs = _child, (rank, world_size, backend, fn, args, writer, *rest)
-        else:
-            target, pargs = _netns_child, (ns, pickle.dumps((fn, args)), rank, world_size, backend, writer, *rest)
-        p = mp.Process(
-            target=target,
-            args=pargs,
-            name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
-            daemon=True,
-        )
-        p.start()
-        writer.close()  # the rank holds the only write end: its pipe ends when it does
-        procs.append(p)
-        receivers.append(_Receiver(reader))
+    ranks = case = None
+    if POOL and method == "forkserver" and not any(netns or ()):
+        try:
+            case = pickle.dumps((fn, args))
+        except Exception:  # noqa: BLE001  (what only multiprocessing's pickler takes: fresh ranks)
+            case = None
+    if case is not None:
+        ranks = _lease(world_size)
+        try:
+            ranks.start_case(case, rank_envs, (backend, tmpdir, init, port, pg_timeout_s, make_ref, master_addr))
+        except BaseException:
+            ranks.close()
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        procs, receivers = ranks.procs, ranks.receivers
+    else:
+        mp = _context(method)
+        procs, receivers = [], []
+        for rank in range(world_size):
+            reader, writer = mp.Pipe(duplex=False)
+            rest = (tmpdir, init, port, pg_timeout_s, make_ref, rank_envs[rank], master_addr, pre_init)
+            ns = netns[rank] if netns else None
+            if ns is None:
+                target, pargs = _child, (rank, world_size, backend, fn, args, writer, *rest)
+            else:
+                target, pargs = _netns_child, (ns, pickle.dumps((fn, args)), rank, world_size, backend, writer,
+                                               *rest)
+            p = mp.Process(
+                target=target,
+                args=pargs,
+                name=f"{getattr(fn, '__name__', 'worker')}-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            writer.close()  # the rank holds the only write end: its pipe ends when it does
+            procs.append(p)
+            receivers.append(_Receiver(reader))
+    result = None
+    try:
+        result = _supervise(procs, receivers, world_size, backend, start, timeout_s, exit_timeout_s,
+                            pooled=ranks is not None)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        if ranks is not None:
+            ranks.finish_case(result is not None and result.ok and not result.cut_off)
+    return result
 
+
+def _supervise(procs, receivers, world_size, backend, start, timeout_s, exit_timeout_s, pooled) -> "RunResult":
+    """Read the ranks' pipes until every rank finished its run (``exit``), died, or the
+    deadline passed; kill what hangs. A fresh rank (not ``pooled``) then leaves the
+    interpreter within ``exit_timeout_s``; a pooled one that finished stays for its next run."""
     returns, errors, reports, progress, crashed, cut_off = {}, {}, {}, {}, {}, {}
     exited = set()
     hung = []
@@ -473,6 +539,8 @@ def spawn_run(
                 first_error_at = time.monotonic()
         elif kind == "exit":
             exited.add(rank)
+            if pooled:
+                procs[rank].reusable = payload  # None, or why the rank must not run another case
 
     try:
         while True:
@@ -510,19 +578,23 @@ def spawn_run(
     finally:
         exit_deadline = time.monotonic() + exit_timeout_s
         for rank, p in enumerate(procs):
-            if rank in exited:
+            if rank in exited and not pooled:
                 # it sent its last message; it should now terminate by itself
                 p.join(timeout=max(0.0, exit_deadline - time.monotonic()))
                 if p.is_alive():
                     hung.append(rank)
                     progress[rank] = f"process did not terminate within {exit_timeout_s:g} s after its worker " \
                                      "finished (stuck at interpreter exit?)"
+        killed = []
         for rank, p in enumerate(procs):
+            if pooled and rank in exited and rank not in errors:
+                continue  # finished its run: waits for the next one (an abrupt_exit's is gone)
             if p.is_alive():
                 if rank not in exited and rank not in crashed:
                     hung.append(rank)
                 p.kill()
-        for p in procs:
+                killed.append(p)
+        for p in (killed if pooled else procs):
             p.join(timeout=10)
         # A rank that finished its work but then died on a signal (a sanitizer's
         # abort at teardown, a crash in a destructor) is a failure too.
@@ -537,14 +609,277 @@ def spawn_run(
                     handle((kind, sender, payload))
             if receiver.incomplete() is not None:
                 cut_off[rank] = receiver.incomplete()
-            receiver.conn.close()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+            if not pooled:
+                receiver.conn.close()
 
     for rank in hung:
         if rank in returns and rank not in exited:
             progress[rank] = f"returned, then hung in teardown: {progress.get(rank)!r}"
     return RunResult(world_size, backend, returns, errors, reports, progress, sorted(hung), crashed,
                      time.monotonic() - start, timeout_s, cut_off)
+
+
+# -- the pool of ranks -----------------------------------------------------------------
+#
+# Forking a rank, importing the test's module in it and leaving costs every run about as
+# much as a small test's own work. A pooled run goes instead to ranks that stay: one set
+# per world size, each rank a fork of the server as a fresh one is, looping over cases (a
+# case: the default group with the run's backend and init, the gloo ref if asked, fn, the
+# group destroyed, as _child does). Each case
+# starts as a fresh rank would: the call's environment, the server's working directory,
+# CPU affinity, torch and numpy random state, default dtype and threads, pycomm's counters
+# at zero and its CPU kernels' default. A set
+# runs another case only after one that ended cleanly on every rank: every rank returned,
+# destroyed its group and left no thread, signal handler or resource limit of the case behind. After
+# anything else (an error, a crash, a hang, a rank gone by abrupt_exit, a deadline) its
+# ranks are killed and the next case gets fresh ones. Runs that must start fresh (spawn,
+# pre_init, load-time variables, network namespaces) never come here.
+# PYCOMM_TEST_POOL=0 turns the pool off.
+POOL = os.environ.get("PYCOMM_TEST_POOL", "1") != "0"
+# Idle ranks kept over all sets (the least recently used sets go first).
+POOL_MAX_IDLE_RANKS = int(os.environ.get("PYCOMM_TEST_POOL_RANKS", "12"))
+# How long a finished case's threads get to end before its rank is judged not reusable.
+_THREAD_SETTLE_S = 2.0
+_idle: "dict[int, _RankSet]" = {}  # world size -> idle set, least recently used first
+# Runs on pooled ranks, how many of them on ranks that had run a case before, and why sets
+# were ended after a run (reported at the end of the session, tests/conftest.py).
+POOL_STATS = {"runs": 0, "reused": 0, "retired": {}}
+
+
+def _lease(key) -> "_RankSet":
+    ranks = _idle.pop(key, None)
+    if ranks is not None and not ranks.idle_and_clean():
+        ranks.close()
+        ranks = None
+    return ranks or _RankSet(key)
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+_SIGNALS = [s for s in range(1, 65) if s not in (9, 19)]
+
+
+def _signal_handlers() -> dict:
+    import signal
+
+    handlers = {}
+    for signum in _SIGNALS:
+        try:
+            handlers[signum] = signal.getsignal(signum)
+        except (ValueError, OSError):
+            pass
+    return handlers
+
+
+def _pool_child(rank, world_size, commands, conn):
+    """A pooled rank: runs the cases that arrive on ``commands`` one after another;
+    leaves when the parent closes it (or dies)."""
+    q = _Sender(conn)
+    faulthandler.enable(all_threads=True)
+    import random
+
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import pycomm  # noqa: F401  (the server loaded it: the "pycomm" backend is registered)
+    import gc
+
+    gc.freeze()  # what the server imported is never garbage: collections skip it
+    # What a fresh fork of the server starts every case with.
+    cwd = os.getcwd()
+    torch_rng = torch.get_rng_state()
+    numpy_rng = sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None
+    default_dtype = torch.get_default_dtype()
+    handlers = _signal_handlers()
+    limits = _limits()
+    affinity = os.sched_getaffinity(0)
+    isa = _cpu_isa()
+    while True:
+        try:
+            blob = commands.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(0)
+        case, env, (backend, tmpdir, init, port, pg_timeout_s, make_ref, master_addr) = pickle.loads(blob)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        os.sched_setaffinity(0, affinity)
+        torch.set_rng_state(torch_rng)
+        random.seed()
+        if numpy_rng is not None:
+            sys.modules["numpy"].random.set_state(numpy_rng)
+        elif "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()  # as its import in a fresh rank would
+        torch.set_default_dtype(default_dtype)
+        torch.set_grad_enabled(True)
+        torch.set_num_threads(1)
+        _reset_pycomm(isa)
+        threads_before = set(threading.enumerate())
+        os_threads_before = _os_threads()
+        try:
+            fn, args = pickle.loads(case)  # imports fn's module (once per rank)
+        except BaseException:
+            q.put(("error", rank, traceback.format_exc()))
+            os._exit(1)
+        _run_case(q, rank, world_size, backend, fn, args, tmpdir, init, port, pg_timeout_s, make_ref, master_addr)
+        del fn, args
+        q.put(("progress", rank, "finished; checking what the case left behind"))
+        why = _leftovers(dist, threads_before, os_threads_before, handlers, limits)
+        q.put(("exit", rank, why))
+
+
+def _cpu_isa():
+    try:
+        from pycomm import _C
+
+        return _C.kernels.cpu_isa()
+    except Exception:
+        return None
+
+
+def _reset_pycomm(isa) -> None:
+    """pycomm's process-wide state as a fresh rank has it: counters at zero, the CPU
+    kernels' instruction set the default."""
+    if "pycomm" not in sys.modules:
+        return
+    from pycomm import _C
+
+    _C._reset_stats()
+    if isa is not None and _C.kernels.cpu_isa() != isa:
+        _C.kernels.set_cpu_isa(isa)
+
+
+def _limits() -> dict:
+    import resource
+
+    return {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+
+
+def _leftovers(dist, threads_before, os_threads_before, handlers, limits):
+    """Why this rank must not run another case (None when it may)."""
+    import gc
+
+    if dist.is_initialized():
+        return "a process group is still initialized"
+    deadline = time.monotonic() + _THREAD_SETTLE_S
+    collected = False
+    while True:
+        extra = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        os_threads = _os_threads()
+        if not extra and os_threads <= os_threads_before:
+            break
+        if not collected:
+            # a group kept alive by a reference cycle keeps its threads until collected
+            # (a full collection is cheap here: gc.freeze() at the start left only the cases' objects)
+            gc.collect()
+            collected = True
+        if time.monotonic() > deadline:
+            if extra:
+                return f"threads still running: {[t.name for t in extra]}"
+            return f"{os_threads - os_threads_before} more OS thread(s) than before the case"
+        time.sleep(0.01)
+    if _signal_handlers() != handlers:
+        return "signal handlers changed"
+    if _limits() != limits:
+        return "resource limits changed"
+    return None
+
+
+class _RankSet:
+    """The ranks of one pool key: each a process forked from the server, with a pipe for
+    its cases (parent -> rank) and one for its messages (rank -> parent)."""
+
+    def __init__(self, world_size):
+        self.key = world_size
+        self.cases = 0
+        mp = _context("forkserver")
+        self.procs, self.receivers, self.commands = [], [], []
+        for rank in range(world_size):
+            reader, writer = mp.Pipe(duplex=False)
+            cmd_reader, cmd_writer = mp.Pipe(duplex=False)
+            p = mp.Process(target=_pool_child,
+                           args=(rank, world_size, cmd_reader, writer),
+                           name=f"pool{world_size}-rank{rank}", daemon=True)
+            p.start()
+            writer.close()
+            cmd_reader.close()
+            p.reusable = None
+            self.procs.append(p)
+            self.receivers.append(_Receiver(reader))
+            self.commands.append(cmd_writer)
+
+    def start_case(self, case, rank_envs, settings) -> None:
+        self.cases += 1
+        for rank, p in enumerate(self.procs):
+            p.reusable = "did not finish the case"
+            blob = pickle.dumps((case, rank_envs[rank], settings))
+            # in a thread: a rank that does not read (stuck, dead) must not block the
+            # parent; the run's deadline deals with it
+            threading.Thread(target=self._send, args=(self.commands[rank], blob), daemon=True).start()
+
+    @staticmethod
+    def _send(conn, blob) -> None:
+        try:
+            conn.send_bytes(blob)
+        except OSError:
+            pass  # the rank is gone: the run reports it
+
+    def finish_case(self, ok: bool) -> None:
+        """Back to the pool if the run succeeded and every rank finished cleanly and stays;
+        else killed."""
+        why = None
+        if not ok:
+            why = "the run failed"
+        elif not all(p.is_alive() for p in self.procs):
+            why = "a rank is gone"
+        elif any(p.reusable is not None for p in self.procs):
+            why = next(p.reusable for p in self.procs if p.reusable is not None)
+        elif any(r.incomplete() is not None or r.eof for r in self.receivers):
+            why = "a pipe is broken"
+        POOL_STATS["runs"] += 1
+        POOL_STATS["reused"] += self.cases > 1
+        if why is None:
+            _idle[self.key] = self
+            _trim()
+        else:
+            POOL_STATS["retired"][why.split(":")[0]] = POOL_STATS["retired"].get(why.split(":")[0], 0) + 1
+            self.close()
+
+    def idle_and_clean(self) -> bool:
+        """Alive, and nothing arrived since the last case ended."""
+        for p, r in zip(self.procs, self.receivers):
+            if not p.is_alive() or r.read() or r.eof or r.incomplete() is not None:
+                return False
+        return True
+
+    def close(self) -> None:
+        for conn in self.commands:
+            conn.close()
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+        for r in self.receivers:
+            r.conn.close()
+
+
+def _trim() -> None:
+    while sum(len(s.procs) for s in _idle.values()) > POOL_MAX_IDLE_RANKS and _idle:
+        _idle.pop(next(iter(_idle))).close()
+
+
+def close_pool() -> None:
+    """Ends every idle pooled rank."""
+    while _idle:
+        _idle.popitem()[1].close()
 
 
 def run_multiprocess(fn: Callable, world_size: int, **kwargs) -> list:

@@ -3,7 +3,6 @@ rank is gone raises naming that rank, well before the group timeout (issue #40's
 fuzzing found that the TCP transport kept such a receive posted until the caller's
 timeout; tests/transport/test_any_source_cpp.py checks the transport alone)."""
 import datetime
-import multiprocessing
 import os
 import queue
 import signal
@@ -11,6 +10,8 @@ import tempfile
 import time
 
 import pytest
+
+from mp_util import in_environment, process_context
 
 WAIT_LIMIT_S = 120  # hard wall-clock bound on the spawned run
 GROUP_TIMEOUT_S = 60
@@ -37,11 +38,12 @@ def _worker(rank, world, q, rdzv):
 
 
 def test_any_source_recv_fails_when_the_only_peer_is_gone():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()  # fresh processes: forked from mp_util's server (or spawned)
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         rdzv = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, 2, q, rdzv), daemon=True) for r in range(2)]
+        procs = [ctx.Process(target=in_environment, args=(dict(os.environ), _worker, r, 2, q, rdzv), daemon=True)
+                 for r in range(2)]
         for p in procs:
             p.start()
         try:

@@ -3,7 +3,6 @@ and ranks that disagree on a call. Survivors must raise (never hang), within the
 group timeout plus a few seconds, naming the rank at fault; afterwards the group
 says it is unusable and a new one works in the same process."""
 import datetime
-import multiprocessing
 import os
 import queue
 import signal
@@ -12,19 +11,22 @@ import time
 
 import pytest
 
-from mp_util import wait_for_files
+from mp_util import in_environment, process_context, wait_for_files
 
 WAIT_LIMIT_S = 120  # hard wall-clock bound on every spawned run
 
 
 def _spawn(target, world, args, timeout_s=WAIT_LIMIT_S):
-    """Runs target(rank, world, q, *args) in `world` spawned processes; returns
+    """Runs target(rank, world, q, *args) in `world` fresh processes (forked from
+    mp_util's server, or spawned under PYCOMM_TEST_START_METHOD=spawn); returns
     {rank: result} of those that reported. Kills whatever is left at the deadline.
     A process that dies on a signal other than SIGKILL (the tests' own kills), e.g.
     a crash or a sanitizer's abort even after it reported, fails the test."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, q, *args), daemon=True) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=in_environment, args=(env, target, r, world, q, *args), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + timeout_s
@@ -110,14 +112,15 @@ def test_sigkill_mid_collective_names_the_lost_rank(tmp_path, algo):
     assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
 
 
-def _never_joins_worker(rank, world, q, rdzv):
+def _never_joins_worker(rank, world, q, rdzv, done):
     import torch.distributed as dist
 
     import pycomm  # noqa: F401
 
     if rank == 1:
-        time.sleep(12)  # never calls init_process_group within rank 0's timeout (4 s; the test allows 9)
-        q.put((rank, "slept"))
+        # never calls init_process_group: stays until rank 0 has given up (4 s timeout; the
+        # test allows 9), at most 12 s
+        q.put((rank, "waited" if wait_for_files([done], limit_s=12) else "slept"))
         return
     start = time.monotonic()
     try:
@@ -126,10 +129,12 @@ def _never_joins_worker(rank, world, q, rdzv):
         q.put((rank, {"error": None}))
     except Exception as e:  # noqa: BLE001
         q.put((rank, {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}))
+    open(done, "w").close()
 
 
 def test_rank_that_never_joins_times_out_naming_it(tmp_path):
-    results = _spawn(_never_joins_worker, 2, (f"file://{tmp_path}/rdzv",), timeout_s=60)
+    results = _spawn(_never_joins_worker, 2, (f"file://{tmp_path}/rdzv", str(tmp_path / "rank0-done")),
+                     timeout_s=60)
     res = results[0]
     assert res["error"] is not None, res
     assert "rank 1" in res["error"] and "timed out" in res["error"], res["error"]

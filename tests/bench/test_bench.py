@@ -225,8 +225,23 @@ def test_time_samples_disciplines():
                                   ["--mpi", "--dtype", "bfloat16"], ["--mpi", "--op", "avg"],
                                   ["--algos", "ring,topk1%", "--dtype", "float64"],
                                   ["--algos", "quant8", "--op", "max"], ["--algos", "topk0%"]])
-def test_cli_usage_errors(args, tmp_path):
-    proc = _run_module("pycomm.bench", args, tmp_path, timeout=60)
+def test_cli_usage_errors(args, tmp_path, monkeypatch, capsys):
+    """The CLI's own main() in this process (a subprocess per case would mostly import torch;
+    test_cli_usage_error_through_python_m covers `python -m pycomm.bench`'s exit code)."""
+    from pycomm.bench import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # spawn mode, as _run_module runs it
+    with pytest.raises(SystemExit) as exited:
+        cli.main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert "pycomm bench:" in err
+
+
+def test_cli_usage_error_through_python_m(tmp_path):
+    proc = _run_module("pycomm.bench", ["--algos", "topk0%"], tmp_path, timeout=60)
     assert proc.returncode == 2, _describe(proc)
     assert "pycomm bench:" in proc.stderr
 

@@ -82,9 +82,16 @@ def cuda_syntax_checks():
     for p in torch_includes + [sysconfig.get_paths()["include"], cuda_include]:
         base += ["-isystem", p]
 
+    import cpp_build
+
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+
     def check(name):
-        return subprocess.run(base + [os.path.join(ROOT, "csrc", "backend", name)], capture_output=True,
-                              text=True, timeout=600)
+        # the verdict is kept per content of the source and the headers it includes, g++'s
+        # and nvcc's versions (the toolkit's headers) and torch's version (its headers)
+        source = os.path.join(ROOT, "csrc", "backend", name)
+        return cpp_build.cached_check(base + [source], [source], tools=[cxx, nvcc],
+                                      extra_key=torch.__version__, timeout=600)
 
     from concurrent.futures import ThreadPoolExecutor
 

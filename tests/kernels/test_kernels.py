@@ -23,6 +23,8 @@ import subprocess
 import pytest
 import torch
 
+import cpp_build
+
 from pycomm._C import kernels as K
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -610,9 +612,11 @@ def test_cpu_kernels_build_without_torch(tmp_path):
         pytest.skip("no g++ on PATH")
     for name in ("topk.cc", "quantize.cc", "reduce.cc", "cpu_isa.cc"):
         src = os.path.join(ROOT, "csrc", "kernels", "cpu", name)
-        subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
-                        "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", str(tmp_path / (name + ".o"))],
-                       check=True, timeout=120)
+        # kept per content of the source and its headers and g++'s version (cpp_build.cached_check)
+        proc = cpp_build.cached_check([cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+                                       "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
+                                      [src], tools=[cxx], timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 # Every .cu file, so a new kernel is compile-checked without editing this list.
@@ -634,10 +638,12 @@ def test_cuda_kernels_compile_with_nvcc(name):
     if nvcc is None:
         pytest.skip("nvcc not found (set NVCC or put nvcc on PATH) - CUDA kernels not compile-checked")
     src = os.path.join(ROOT, "csrc", "kernels", "cuda", name)
-    proc = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ccbin", os.environ.get("CXX", "g++"),
-                           "-Xcompiler", "-Wall", "-I",
-                           os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
-                          capture_output=True, text=True, timeout=300)
+    host = os.environ.get("CXX", "g++")
+    # kept per content of the source and its headers, nvcc's and g++'s versions (cpp_build.cached_check)
+    proc = cpp_build.cached_check([nvcc, "-std=c++17", "-arch=sm_90", "-ccbin", host,
+                                   "-Xcompiler", "-Wall", "-I",
+                                   os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
+                                  [src], tools=[nvcc, host], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "warning" not in proc.stderr.lower(), proc.stderr
 

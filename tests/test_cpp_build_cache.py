@@ -1,0 +1,62 @@
+"""tests/cpp_build.py's caches: an object is keyed on its source and the headers it includes
+(not on unrelated ones); a compile check's clean verdict is kept per content, a failure
+always runs again."""
+from __future__ import annotations
+
+import sys
+
+import cpp_build
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_includes_follow_quoted_headers_transitively(tmp_path):
+    (tmp_path / "sub").mkdir()
+    a = _write(tmp_path / "a.cc", '#include "sub/b.h"\n#include <vector>\nint main() {}\n')
+    b = _write(tmp_path / "sub" / "b.h", '#pragma once\n  #  include "c.h"\n#include "common/error.h"\n')
+    c = _write(tmp_path / "sub" / "c.h", "#pragma once\n")
+    _write(tmp_path / "unrelated.h", "#pragma once\n")
+    got = cpp_build.includes(a)
+    assert set(got) >= {a, b, c} and str(tmp_path / "unrelated.h") not in got, got
+    assert any(p.endswith("csrc/common/error.h") for p in got), got  # found under csrc/ as -Icsrc finds it
+
+
+def test_object_key_changes_with_an_included_header_only(tmp_path):
+    a = _write(tmp_path / "a.cc", '#include "b.h"\n')
+    b = tmp_path / "b.h"
+    b.write_text("// one\n")
+    other = tmp_path / "other.h"
+    other.write_text("// one\n")
+    key = cpp_build._key([a])
+    other.write_text("// two\n")
+    assert cpp_build._key([a]) == key
+    b.write_text("// two\n")
+    assert cpp_build._key([a]) != key
+    assert cpp_build._key([a], ("-DX",)) != cpp_build._key([a])
+
+
+def test_cached_check_keeps_clean_results_per_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYCOMM_TEST_BUILD_DIR", str(tmp_path / "cache"))
+    log = tmp_path / "runs.log"
+    src = _write(tmp_path / "a.cc", '#include "b.h"\n')
+    header = tmp_path / "b.h"
+    header.write_text("// one\n")
+    ok = [sys.executable, "-c", f"open({str(log)!r}, 'a').write('run\\n'); print('checked')"]
+
+    def runs():
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    first = cpp_build.cached_check(ok, [src])
+    assert (first.returncode, first.stdout, runs()) == (0, "checked\n", 1)
+    again = cpp_build.cached_check(ok, [src])
+    assert (again.returncode, again.stdout, runs()) == (0, "checked\n", 1)  # from the cache
+    header.write_text("// two\n")
+    assert cpp_build.cached_check(ok, [src]).returncode == 0 and runs() == 2  # a header it includes changed
+    assert cpp_build.cached_check(ok, [src], extra_key="other torch").returncode == 0 and runs() == 3
+
+    failing = ok[:-1] + [ok[-1] + "; raise SystemExit(3)"]
+    assert cpp_build.cached_check(failing, [src]).returncode == 3 and runs() == 4
+    assert cpp_build.cached_check(failing, [src]).returncode == 3 and runs() == 5  # never kept
