@@ -1,10 +1,12 @@
-"""benchmarks/compression_tasks.py: the summary (gaps per seed, bytes over the whole run)
-and a smoke run of the real thing (2 ranks, one task, a few steps)."""
+"""benchmarks/compression_tasks.py: the summary (gaps per seed, bytes over the whole run),
+the movement figures (path, displacement, where the travel goes) and a smoke run of the real
+thing (2 ranks, one task, a few steps)."""
 import importlib.util
 import json
 import os
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,3 +79,50 @@ def test_smoke_run(tmp_path):
                        "--steps", "6", "--configs", "dense;topk", "--out", out]) == 0
     with open(out + ".records.jsonl") as handle:
         assert len(handle.readlines()) == 2
+
+
+def _moved(config, seed, metric, path=None, displacement=None, top10=None):
+    """A record of the AdamW regression with the movement fields (path, displacement, the
+    top 10% entries' share of the travel) where given."""
+    r = _record(config, seed, metric, 100.0 if config == "dense" else 1.0, opt="adamw")
+    if path is not None:
+        r.update(path=path, displacement=displacement)
+    if top10 is not None:
+        r["travel_share_top10"] = top10
+    return r
+
+
+def test_top_share():
+    bench = _bench()
+    assert bench._top_share(torch.ones(1000), 0.10) == pytest.approx(0.10)
+    one = torch.zeros(1000)
+    one[17] = 3.0
+    assert bench._top_share(one, 0.01) == pytest.approx(1.0)
+    ramp = torch.arange(1, 11, dtype=torch.float32)  # 1..10: the top 10% is the 10, of 55
+    assert bench._top_share(ramp, 0.10) == pytest.approx(10.0 / 55.0)
+    assert bench._top_share(torch.zeros(10), 0.10) == 0.0
+
+
+def test_movement_ratios_sum_over_seeds_and_show_in_the_table():
+    bench = _bench()
+    records = [_moved("dense", 0, 90.0, 10.0, 4.0, 0.2), _moved("dense", 1, 90.0, 30.0, 4.0, 0.4),
+               _moved("topk", 0, 80.0, 5.0, 1.0, 0.5), _moved("topk", 1, 80.0, 15.0, 3.0, 0.7)]
+    (row,) = bench.summarise(records, ["dense", "topk"])
+    assert row["path_ratio"] == pytest.approx(20.0 / 40.0)
+    assert row["displacement_ratio"] == pytest.approx(4.0 / 8.0)
+    assert row["travel_top10_dense"] == pytest.approx(0.3) and row["travel_top10"] == pytest.approx(0.6)
+    head, _, line = bench.table([row])
+    assert "path ratio" in head and "top 10% travel share" in head
+    assert "| 0.50 | 0.50 | 0.300 / 0.600 |" in line
+
+
+def test_records_without_movement_give_the_old_table():
+    """Records made before the movement was recorded (a dense run of an older records file
+    reused) leave the columns out instead of failing."""
+    bench = _bench()
+    records = [_moved("dense", 0, 90.0), _moved("topk", 0, 80.0, 5.0, 1.0, 0.5)]
+    (row,) = bench.summarise(records, ["dense", "topk"])
+    assert "path_ratio" not in row and "travel_top10" not in row
+    head, _, line = bench.table([row])
+    assert "path ratio" not in head
+    assert line.endswith("| **no** |")
