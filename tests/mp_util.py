@@ -628,7 +628,7 @@ def _supervise(procs, receivers, world_size, backend, start, timeout_s, exit_tim
 # group destroyed, as _child does). Each case
 # starts as a fresh rank would: the call's environment, the server's working directory,
 # CPU affinity, torch and numpy random state, default dtype and threads, pycomm's counters
-# at zero and its CPU kernels' default. A set
+# at zero, its CPU kernels' default and its shared-memory waits heeding other jobs. A set
 # runs another case only after one that ended cleanly on every rank: every rank returned,
 # destroyed its group and left no thread, signal handler or resource limit of the case behind. After
 # anything else (an error, a crash, a hang, a rank gone by abrupt_exit, a deadline) its
@@ -746,12 +746,14 @@ def _cpu_isa():
 
 def _reset_pycomm(isa) -> None:
     """pycomm's process-wide state as a fresh rank has it: counters at zero, the CPU
-    kernels' instruction set the default."""
+    kernels' instruction set the default, shared-memory waits that heed other jobs (a case
+    of tests/transport/test_shm.py turns that off for its process)."""
     if "pycomm" not in sys.modules:
         return
     from pycomm import _C
 
     _C._reset_stats()
+    _C._shm_ignore_other_jobs(False)
     if isa is not None and _C.kernels.cpu_isa() != isa:
         _C.kernels.set_cpu_isa(isa)
 
