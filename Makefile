@@ -9,7 +9,7 @@ PIP := $(PYTHON) -m pip
 # the C++ sources, setup.py and this file, and the extension is in place. Otherwise pip
 # installs the requirements and builds pycomm; setup.py keeps the objects in build/temp-*/
 # so only what changed is recompiled (through ccache where installed).
-DEPS := torch==2.13.0 pybind11 ninja numpy pytest scikit-learn pyyaml tqdm matplotlib
+DEPS := torch==2.13.0 pybind11 ninja numpy pytest pytest-xdist scikit-learn pyyaml tqdm matplotlib
 STAMP := build/install.stamp
 SOURCES := $(shell find csrc -name '*.cc' -o -name '*.h' -o -name '*.cu') setup.py pyproject.toml Makefile
 
@@ -36,11 +36,26 @@ endif
 demo: install
 	$(PYTHON) -m pycomm.demo
 
+# The suite in two parts: all but the `serial` tests on PYTEST_WORKERS pytest-xdist workers
+# (a file per worker at a time, the longest files first: tests/conftest.py), then the serial
+# ones alone (they count what the scheduler or the clock did). Both parts run; either
+# failing fails the target. PYTEST_WORKERS=0 runs the first part in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+define run_suite
+	@status=0; \
+	echo '$(PYTHON) -m pytest -q --durations=25 $(PYTEST_PARALLEL) -m "$(1)not serial" tests'; \
+	$(PYTHON) -m pytest -q --durations=25 $(PYTEST_PARALLEL) -m "$(1)not serial" tests || status=1; \
+	echo '$(PYTHON) -m pytest -q --durations=10 -m "$(1)serial" tests'; \
+	$(PYTHON) -m pytest -q --durations=10 -m "$(1)serial" tests || status=1; \
+	exit $$status
+endef
+
 test: install
-	$(PYTHON) -m pytest -q --durations=25 tests
+	$(call run_suite,)
 
 test-fast: install
-	$(PYTHON) -m pytest -q --durations=25 -m "not slow" tests
+	$(call run_suite,not slow and )
 
 bench: install
 	$(PYTHON) -m pycomm.bench -n 2 -b 8 -e 64M -f 4

@@ -1,7 +1,8 @@
 """Shared pytest configuration.
 
 Markers (registered in pyproject.toml):
-  slow  end-to-end tests; CI runs them, `make test-fast` skips them.
+  slow    end-to-end tests; CI runs them, `make test-fast` skips them.
+  serial  run after the others, alone (not on xdist's parallel workers): SERIAL_* below.
   gpu   needs a CUDA device; skipped cleanly where torch sees none.
 
 Sanitizer runs (`make test-asan`): PYCOMM_SANITIZER_LOGS names the folder where
@@ -100,15 +101,47 @@ SLOW_TESTS = frozenset({
 })
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-m "not serial"`), then these
+# alone (`-m serial`): tests that count what the scheduler or the clock did (where ranks
+# ran, whether a wait slept, measured against modelled times) and the check that
+# /dev/shm holds no segment, which another worker's run may hold for a moment.
+SERIAL_MODULES = frozenset({"test_shm", "test_shm_neighbour_load"})
+SERIAL_TESTS = frozenset({"test_plan::test_validate_across_namespaces"})
+
+# The modules that take longest (per-file sums of `--durations=0`, tools/suite_durations.py),
+# longest first: collected first, so xdist's workers start on them and the short modules
+# fill in at the end (`--dist loadfile --no-loadscope-reorder`). Order only; the rest keep
+# their collection order.
+LONGEST_FIRST = (
+    "test_collectives", "test_bench", "test_multihost", "test_failures", "test_plan", "test_hooks",
+    "test_train_async", "test_fuzz", "test_train_cli", "test_bench_hosts", "test_restart", "test_autoload",
+    "test_compression_benchmark", "test_soak", "test_chaos", "test_observability", "test_make_install",
+    "test_launch", "test_train", "test_transport_cpp", "test_cuda_build", "test_mp_pool",
+)
+
+
+def _module_name(item) -> str:
+    return item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+
+
 def _is_slow(item) -> bool:
-    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    module = _module_name(item)
     return module in SLOW_MODULES or f"{module}::{item.originalname}" in SLOW_TESTS
 
 
+def _is_serial(item) -> bool:
+    module = _module_name(item)
+    return module in SERIAL_MODULES or f"{module}::{item.originalname}" in SERIAL_TESTS
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module_name(item), len(rank)))  # stable: a module stays whole
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+        if _is_serial(item):
+            item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="no CUDA device visible to torch")
@@ -137,26 +170,55 @@ def _dev_shm_leftovers():
     return found
 
 
+def _xdist_worker(config) -> bool:
+    """This process is one of pytest-xdist's workers (`make test` runs the suite on several)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """/dev/shm must be clean after the suite: pycomm unlinks its segments as soon as
-    every local rank mapped them, so none may outlive its creator."""
+    every local rank mapped them, so none may outlive its creator. Under pytest-xdist
+    each worker closes its own pool and reports its counts; the controller judges
+    /dev/shm once every worker is gone (while one runs, another's rank may have left a
+    segment its peers have yet to map and unlink)."""
     if "mp_util" in sys.modules:
         sys.modules["mp_util"].close_pool()  # its ranks' segments are judged once they are gone
     late = sorted(_sanitizer_reports() - _seen_reports)
     if late:
         print(f"\nsanitizer report(s) written after the last test in {SANITIZER_LOGS}: {late}")
         session.exitstatus = 1
+    if _xdist_worker(session.config):
+        if "mp_util" in sys.modules:
+            session.config.workeroutput["pool_stats"] = sys.modules["mp_util"].POOL_STATS
+        return
     left = _dev_shm_leftovers()
     if left:
         print(f"\npycomm segments left in /dev/shm by exited processes: {left}")
         session.exitstatus = 1
 
 
+# Pool counts the xdist workers reported as they finished (pytest_testnodedown).
+_WORKER_POOL_STATS = []
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist runs too
+def pytest_testnodedown(node, error):
+    stats = getattr(node, "workeroutput", {}).get("pool_stats")
+    if stats:
+        _WORKER_POOL_STATS.append(stats)
+
+
 def pytest_terminal_summary(terminalreporter):
-    """How the multi-process runs used tests/mp_util.py's pool of ranks (when any did)."""
+    """How the multi-process runs used tests/mp_util.py's pool of ranks (when any did),
+    summed over the xdist workers."""
     mp_util = sys.modules.get("mp_util")
-    if mp_util is None or not mp_util.POOL_STATS["runs"]:
+    stats = {"runs": 0, "reused": 0, "retired": {}}
+    for part in _WORKER_POOL_STATS + ([mp_util.POOL_STATS] if mp_util else []):
+        stats["runs"] += part["runs"]
+        stats["reused"] += part["reused"]
+        for why, count in part["retired"].items():
+            stats["retired"][why] = stats["retired"].get(why, 0) + count
+    if not stats["runs"]:
         return
-    stats = mp_util.POOL_STATS
     terminalreporter.write_line(f"mp_util pool: {stats['runs']} runs on pooled ranks, {stats['reused']} of them on "
                                 f"ranks that had run one before; sets ended after a run: {stats['retired']}")

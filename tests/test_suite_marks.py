@@ -1,5 +1,6 @@
-"""The slow-test lists of conftest.py name modules and functions that exist: a renamed
-test would otherwise drop out of the list silently and `make test-fast` would grow."""
+"""The test lists of conftest.py (slow, serial, longest first) name modules and functions
+that exist: a renamed test would otherwise drop out of a list silently (`make test-fast`
+would grow, or a timing test would run beside another worker)."""
 import ast
 import glob
 import os
@@ -14,9 +15,12 @@ def _modules() -> dict:
 
 
 def test_slow_lists_name_existing_tests():
+    """The slow, serial and longest-first lists: a name that matches nothing would leave a
+    test on the parallel workers or out of `make test-fast`'s cut without a word."""
     modules = _modules()
-    missing = sorted(m for m in conftest.SLOW_MODULES if m not in modules)
-    for entry in conftest.SLOW_TESTS:
+    missing = sorted(m for m in conftest.SLOW_MODULES | conftest.SERIAL_MODULES | set(conftest.LONGEST_FIRST)
+                     if m not in modules)
+    for entry in conftest.SLOW_TESTS | conftest.SERIAL_TESTS:
         module, _, function = entry.partition("::")
         if module not in modules:
             missing.append(entry)
