@@ -26,6 +26,16 @@ median of --reps repetitions in the process. With --profile, rank 0 also profile
 aten ops outside collectives) and the rest (Python: transformers' modules and TP
 hooks, DTensor, generation); and, without the profiler, the time spent inside
 torch.distributed.all_reduce calls during the timed decode.
+
+That in-call time is split by arrival: every rank stamps each timed all-reduce call's
+entry and exit on CLOCK_MONOTONIC (one clock for all processes of a Linux machine), the
+ranks gather their stamps after the timed repetitions, and each rank's in-call time is
+cut into waiting for the last rank to arrive (last entry - own entry) and the
+collective's own time after the last arrival (own exit - last entry): no backend can
+remove the first, which comes from the ranks' uneven compute and Python. Both are given
+as shares of that rank's decode time and as the median microseconds per call. With
+DeepSpeed the timed call is its `inference_all_reduce` (DeepSpeed's shared-memory op where
+it runs, torch's all_reduce inside it otherwise), counted once.
 """
 import argparse
 import json
@@ -117,6 +127,85 @@ def _profile_split(events, wall_us):
             "rest_us": rest, "dtensor_events_self_us": dtensor_us, "collective_ops": ops}
 
 
+def arrival_split(entries, exits, tolerance=0):
+    """Splits every rank's time inside a sequence of collective calls by arrival.
+
+    entries[r][i] and exits[r][i]: when rank r entered and left its i-th call, on a clock
+    shared by the ranks (the i-th calls of all ranks are one collective: the calls go to
+    one group, in the same order on every rank). Per rank r and call i: wait = the last
+    rank's entry - r's entry (>= 0, the time r waited for the others to arrive); own = r's
+    exit - max(r's entry, last entry), the collective's own time after every rank had
+    arrived; wait + own = exit - entry. last: whether r was (one of) the last to arrive.
+
+    No rank can leave an all-reduce before the last rank entered it, so an exit earlier
+    than the last entry by more than `tolerance` means the stamps do not share one clock
+    (or the calls are not matched): ValueError, as for ranks with different numbers of
+    calls or an exit before its own entry. An exit earlier by at most `tolerance` counts
+    as own = 0. Returns [{"wait": [...], "own": [...], "last": [...]}, ...], one per rank,
+    in the stamps' unit.
+    """
+    if len(entries) != len(exits) or not entries:
+        raise ValueError(f"arrival_split: {len(entries)} ranks of entries, {len(exits)} of exits")
+    counts = [(len(en), len(ex)) for en, ex in zip(entries, exits)]
+    if len(set(counts)) != 1 or counts[0][0] != counts[0][1]:
+        raise ValueError("arrival_split: the ranks made different numbers of calls (entries, exits per rank): "
+                         + ", ".join(f"rank {r} {c}" for r, c in enumerate(counts)))
+    out = [{"wait": [], "own": [], "last": []} for _ in entries]
+    for i in range(counts[0][0]):
+        last = max(en[i] for en in entries)
+        for r, (en, ex) in enumerate(zip(entries, exits)):
+            if ex[i] < en[i]:
+                raise ValueError(f"arrival_split: rank {r} call {i} exits ({ex[i]}) before it enters ({en[i]})")
+            own = ex[i] - max(en[i], last)
+            if own < -tolerance:
+                raise ValueError(
+                    f"arrival_split: rank {r} left call {i} at {ex[i]}, before the last rank entered it at {last} "
+                    f"(by {-own}): the ranks' stamps do not share one clock, or the calls are not matched")
+            out[r]["wait"].append(last - en[i])
+            out[r]["own"].append(max(own, 0))
+            out[r]["last"].append(en[i] == last)
+    return out
+
+
+def split_summary(reps, tolerance_ns=0):
+    """The arrival split of the timed decodes, per rank.
+
+    reps: one item per timed repetition, each a list over ranks of (entries_ns,
+    exits_ns, decode_s): the rank's all-reduce stamps (CLOCK_MONOTONIC nanoseconds) and
+    its decode time in seconds. Per rank: the in-call, wait and own times as shares of
+    that rank's decode time (median over the repetitions of each repetition's sum /
+    decode), the median and mean per call in microseconds (over every call of every
+    repetition; a few long waits make the mean much larger than the median), the calls per decode (per repetition), and the fraction of calls where the rank was (one of) the last to arrive.
+    """
+    ranks = len(reps[0])
+    acc = [{"in_call": [], "wait": [], "own": [], "last": [], "shares": {"in_call": [], "wait": [], "own": []}}
+           for _ in range(ranks)]
+    for rep, per_rank in enumerate(reps):
+        if len(per_rank) != ranks:
+            raise ValueError(f"split_summary: repetition {rep} has {len(per_rank)} ranks, the first {ranks}")
+        try:
+            split = arrival_split([p[0] for p in per_rank], [p[1] for p in per_rank], tolerance_ns)
+        except ValueError as e:
+            raise ValueError(f"repetition {rep}: {e}") from None
+        for r, (sp, (_, _, decode_s)) in enumerate(zip(split, per_rank)):
+            in_call = [w + o for w, o in zip(sp["wait"], sp["own"])]
+            for key, vals in (("in_call", in_call), ("wait", sp["wait"]), ("own", sp["own"])):
+                acc[r][key] += vals
+                acc[r]["shares"][key].append(sum(vals) / 1e9 / decode_s)
+            acc[r]["last"] += sp["last"]
+    rows = []
+    for r, a in enumerate(acc):
+        n = len(a["in_call"])
+        row = {"rank": r, "calls_per_decode": n / len(reps)}
+        for key in ("in_call", "wait", "own"):
+            row[key + "_share_of_decode"] = statistics.median(a["shares"][key])
+            row[key + "_us_median"] = statistics.median(a[key]) / 1e3 if n else None
+            row[key + "_us_mean"] = statistics.fmean(a[key]) / 1e3 if n else None
+        row["last_to_arrive"] = sum(a["last"]) / n if n else None
+        rows.append(row)
+    return rows
+
+
 def worker(args):
     import torch
 
@@ -152,25 +241,43 @@ def worker(args):
         if dist is not None:
             dist.barrier()
 
-    # all_reduce calls as the TP layers make them, timed without the profiler
-    ar_clock = {"on": False, "s": 0.0, "n": 0}
-    if dist is not None:
-        real_all_reduce = dist.all_reduce
+    # all_reduce calls as the TP layers make them, timed without the profiler: the sum of
+    # their times and each call's entry and exit stamps on CLOCK_MONOTONIC, which every
+    # process of the machine reads alike (the arrival split compares the ranks' stamps)
+    ar_clock = {"on": False, "s": 0.0, "n": 0, "entries": [], "exits": [], "async": 0, "depth": 0}
 
-        def timed_all_reduce(*a, **k):
-            if ar_clock.get("profiling"):
-                # the whole call, its wait included (gloo's op only enqueues the work)
-                with torch.profiler.record_function("tp_inference::all_reduce"):
-                    return real_all_reduce(*a, **k)
-            if not ar_clock["on"]:
-                return real_all_reduce(*a, **k)
-            t = time.perf_counter()
+    def timed(real):
+        def timed_call(*a, **k):
+            if ar_clock["depth"]:  # inside a timed call (DeepSpeed's falls back to torch's)
+                return real(*a, **k)
+            ar_clock["depth"] += 1
             try:
-                return real_all_reduce(*a, **k)
+                if ar_clock.get("profiling"):
+                    # the whole call, its wait included (gloo's op only enqueues the work)
+                    with torch.profiler.record_function("tp_inference::all_reduce"):
+                        return real(*a, **k)
+                if not ar_clock["on"]:
+                    return real(*a, **k)
+                if k.get("async_op"):  # its exit is not its end: the split would be wrong
+                    ar_clock["async"] += 1
+                t = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                try:
+                    return real(*a, **k)
+                finally:
+                    t1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                    ar_clock["s"] += (t1 - t) / 1e9
+                    ar_clock["n"] += 1
+                    ar_clock["entries"].append(t)
+                    ar_clock["exits"].append(t1)
             finally:
-                ar_clock["s"] += time.perf_counter() - t
-                ar_clock["n"] += 1
-        dist.all_reduce = timed_all_reduce
+                ar_clock["depth"] -= 1
+        return timed_call
+
+    if dist is not None:
+        dist.all_reduce = timed(dist.all_reduce)
+        if kind == "deepspeed":
+            import deepspeed.comm.comm as dscomm
+            dscomm.cdb.inference_all_reduce = timed(dscomm.cdb.inference_all_reduce)
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_TOKENS), generator=g)
@@ -188,7 +295,7 @@ def worker(args):
             tokens.append(tok)
         return torch.cat(tokens, 1)
 
-    prefill_s, decode_s, generate_s, ar_s, ar_n = [], [], [], [], []
+    prefill_s, decode_s, generate_s, ar_s, ar_n, stamps = [], [], [], [], [], []
     with torch.inference_mode():
         model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)  # warm-up
         for _ in range(args.reps):
@@ -196,7 +303,7 @@ def worker(args):
             t0 = time.perf_counter()
             o = model(prompt, use_cache=True)
             t1 = time.perf_counter()
-            ar_clock.update(on=True, s=0.0, n=0)
+            ar_clock.update(on=True, s=0.0, n=0, entries=[], exits=[])
             # the first new token comes from the prefill; NEW_TOKENS decode forwards follow
             tokens = decode(o.logits, o.past_key_values, NEW_TOKENS + 1)
             t2 = time.perf_counter()
@@ -205,12 +312,21 @@ def worker(args):
             decode_s.append(t2 - t1)
             ar_s.append(ar_clock["s"])
             ar_n.append(ar_clock["n"])
+            stamps.append((ar_clock["entries"], ar_clock["exits"], t2 - t1))
             sync()
             t0 = time.perf_counter()
             gen = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
             generate_s.append(time.perf_counter() - t0)
         out["tokens"] = gen[0, PROMPT_TOKENS:].tolist()
         out["decode_tokens"] = tokens[0, 1:].tolist()
+        if dist is not None:
+            out["allreduce_async_calls"] = ar_clock["async"]
+            out["allreduce_split"] = gather_split(dist, stamps)
+            r0 = out["allreduce_split"][0]
+            out.update(allreduce_wait_share_of_decode=r0["wait_share_of_decode"],
+                       allreduce_own_share_of_decode=r0["own_share_of_decode"],
+                       allreduce_wait_us_median=r0["wait_us_median"], allreduce_own_us_median=r0["own_us_median"],
+                       allreduce_us_median=r0["in_call_us_median"])
 
         if args.profile_steps:
             from torch.profiler import ProfilerActivity, profile
@@ -260,6 +376,38 @@ def worker(args):
             json.dump(out, f)
 
 
+def gather_split(dist, stamps):
+    """Gathers every rank's stamps of the timed all-reduces over the default group and
+    returns split_summary's rows (every rank gets all of them). stamps: per repetition,
+    (entries_ns, exits_ns, decode_s) of this rank. Every rank makes the same calls; if
+    the numbers of calls differ, every rank raises (after the same gathers, so none
+    hangs)."""
+    import torch
+
+    world = dist.get_world_size()
+    counts = torch.tensor([len(en) for en, _, _ in stamps], dtype=torch.int64)
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts)
+    per_rank = [c.tolist() for c in all_counts]
+    if any(c != per_rank[0] for c in per_rank):
+        raise RuntimeError("tp_inference: the ranks made different numbers of timed all-reduce calls per "
+                           "repetition: " + ", ".join(f"rank {r} {c}" for r, c in enumerate(per_rank)))
+    flat = torch.tensor([t for en, ex, _ in stamps for t in en + ex], dtype=torch.int64)
+    decode = torch.tensor([d for _, _, d in stamps], dtype=torch.float64)
+    all_flat = [torch.empty_like(flat) for _ in range(world)]
+    all_decode = [torch.empty_like(decode) for _ in range(world)]
+    if flat.numel():  # the same on every rank: the counts are equal
+        dist.all_gather(all_flat, flat)
+    dist.all_gather(all_decode, decode)
+    reps = []
+    for rep, n in enumerate(per_rank[0]):
+        start = 2 * sum(per_rank[0][:rep])
+        reps.append([(f[start:start + n].tolist(), f[start + n:start + 2 * n].tolist(), d[rep].item())
+                     for f, d in zip(all_flat, all_decode)])
+    # an exit up to 1 us before the last entry is read-order noise of the two clock reads
+    return split_summary(reps, tolerance_ns=1000)
+
+
 # ---------------------------------------------------------------- driver
 
 def free_port():
@@ -293,6 +441,15 @@ def launch(setup, model_dir, json_path, reps, profile_steps, trace, timeout_s):
     return res
 
 
+# rank 0's arrival split, per run (the worker's JSON) and per setup (summarize)
+SPLIT_KEYS = ("allreduce_wait_share_of_decode", "allreduce_own_share_of_decode", "allreduce_wait_us_median",
+              "allreduce_own_us_median", "allreduce_us_median")
+# each rank's (split_summary's rows)
+SPLIT_ROW_KEYS = ("calls_per_decode", "in_call_share_of_decode", "wait_share_of_decode", "own_share_of_decode",
+                  "in_call_us_median", "wait_us_median", "own_us_median", "in_call_us_mean", "wait_us_mean",
+                  "own_us_mean", "last_to_arrive")
+
+
 def summarize(results, setups):
     rows = []
     for s in setups:
@@ -303,10 +460,19 @@ def summarize(results, setups):
             continue
         row = {"setup": s, "runs": len(runs)}
         for key in ("decode_tokens_per_s", "generate_tokens_per_s", "prefill_ms", "decode_step_ms",
-                    "allreduce_share_of_decode"):
-            vals = [r[key] for r in runs]
+                    "allreduce_share_of_decode") + SPLIT_KEYS:
+            vals = [r[key] for r in runs if r.get(key) is not None]
+            if not vals:
+                continue
             row[key] = statistics.median(vals)
             row[key + "_all"] = vals
+        split = [r["allreduce_split"] for r in runs if r.get("allreduce_split")]
+        if split:
+            # per rank, the median over rounds of each of split_summary's figures
+            row["allreduce_split"] = [
+                {"rank": rank, **{k: statistics.median(v) if v else None for k, v in (
+                    (k, [s[rank][k] for s in split if s[rank][k] is not None]) for k in SPLIT_ROW_KEYS)}}
+                for rank in range(len(split[0]))]
         row["loadavg_1min"] = [r["loadavg_before"][0] for r in runs]
         prof = [r["profile_per_step"] for r in runs if "profile_per_step" in r]
         if prof:
@@ -329,11 +495,18 @@ def markdown(rows, meta):
              f"(each run's figure is the median of {meta['reps']} repetitions). Command: `{meta['command']}`. "
              f"{meta['cpus']} CPUs; torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}.", "",
              "| setup | decode tok/s (median) | per round | x one-1t | x gloo-tp2 | prefill ms | "
-             "generate tok/s | all_reduce share of decode | load (1 min) per round |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "generate tok/s | all_reduce share of decode | of which waiting for the last rank | "
+             "of which the collective after the last arrival | load (1 min) per round |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def share_us(r, share, us):
+        if r.get(share) is None:
+            return ""
+        return f"{100 * r[share]:.1f}% ({r[us]:.0f} us/call)" if r.get(us) is not None else f"{100 * r[share]:.1f}%"
+
     for r in rows:
         if not r.get("runs"):
-            lines.append(f"| {r['setup']} | failed: {r['error'][-120:]!r} | | | | | | | |".replace("\n", " "))
+            lines.append(f"| {r['setup']} | failed: {r['error'][-120:]!r} | | | | | | | | | |".replace("\n", " "))
             continue
         d = r["decode_tokens_per_s"]
         x1 = f"{d / ref1:.2f}" if ref1 else ""
@@ -341,7 +514,36 @@ def markdown(rows, meta):
         lines.append(
             f"| {r['setup']} | {d:.1f} | {', '.join(f'{v:.1f}' for v in r['decode_tokens_per_s_all'])} | {x1} | {xg} | "
             f"{r['prefill_ms']:.1f} | {r['generate_tokens_per_s']:.1f} | {100 * r['allreduce_share_of_decode']:.0f}% | "
+            f"{share_us(r, 'allreduce_wait_share_of_decode', 'allreduce_wait_us_median')} | "
+            f"{share_us(r, 'allreduce_own_share_of_decode', 'allreduce_own_us_median')} | "
             f"{', '.join(f'{v:.1f}' for v in r['loadavg_1min'])} |")
+    splits = [r for r in rows if r.get("allreduce_split")]
+    if splits:
+        lines += ["", "Time inside the timed decode's all-reduce calls, per rank, split by arrival (entry and exit "
+                  "stamps on CLOCK_MONOTONIC, shared by the ranks): waiting = from the rank's entry to the last "
+                  "rank's entry, which no backend removes; collective = from the last rank's entry to the rank's "
+                  "exit. Shares of that rank's decode time (all the decode's calls) and microseconds per call, median (mean) over "
+                  "the calls, medians over rounds:",
+                  "",
+                  f"| setup | rank | calls per decode ({NEW_TOKENS} tokens) | in all_reduce | waiting for the last rank | "
+                  "collective after the last arrival | in all_reduce us/call | waiting us/call | collective us/call | "
+                  "arrived last |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+        def pct(v):
+            return "" if v is None else f"{100 * v:.1f}%"
+
+        def us(s, key):
+            med, mean = s[key + "_us_median"], s[key + "_us_mean"]
+            return "" if med is None else f"{med:.0f} ({mean:.0f})"
+
+        for r in splits:
+            for s in r["allreduce_split"]:
+                calls = "" if s["calls_per_decode"] is None else f"{s['calls_per_decode']:g}"
+                lines.append(f"| {r['setup']} | {s['rank']} | {calls} | {pct(s['in_call_share_of_decode'])} | "
+                             f"{pct(s['wait_share_of_decode'])} | {pct(s['own_share_of_decode'])} | "
+                             f"{us(s, 'in_call')} | {us(s, 'wait')} | {us(s, 'own')} | "
+                             f"{pct(s['last_to_arrive'])} |")
     profs = [r for r in rows if r.get("profile_per_step")]
     if profs:
         lines += ["", "Profile of a decode step (torch.profiler, rank 0, median over rounds; the profiler "
@@ -398,7 +600,12 @@ def main():
                 else:
                     print(f"round {rnd} {s}: decode {res['decode_tokens_per_s']:.1f} tok/s, prefill "
                           f"{res['prefill_ms']:.1f} ms, generate {res['generate_tokens_per_s']:.1f} tok/s, "
-                          f"all_reduce {100 * res['allreduce_share_of_decode']:.0f}% of decode, "
+                          f"all_reduce {100 * res['allreduce_share_of_decode']:.0f}% of decode"
+                          + (f" (waiting for the last rank {100 * res['allreduce_wait_share_of_decode']:.1f}%, "
+                             f"{res['allreduce_wait_us_median']:.0f} us/call; collective after it "
+                             f"{100 * res['allreduce_own_share_of_decode']:.1f}%, "
+                             f"{res['allreduce_own_us_median']:.0f} us/call)"
+                             if res.get("allreduce_wait_us_median") is not None else "") + ", "
                           f"load {res['loadavg_before'][0]:.1f}", flush=True)
     import torch
     import transformers
