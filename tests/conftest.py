@@ -31,6 +31,20 @@ for _name in sorted(os.listdir(_TESTS)):
             sys.path.append(_folder)
 
 SANITIZER_LOGS = os.environ.get("PYCOMM_SANITIZER_LOGS")
+# Under pytest-xdist each worker sends the reports of the processes it starts to a folder
+# of its own (the log_path of ASAN_OPTIONS/UBSAN_OPTIONS, which those processes inherit),
+# so that a report fails the test that made it, not whichever worker looked first. The
+# worker's own python keeps the path it started with: reports in the shared folder are
+# judged by every worker.
+_SHARED_SANITIZER_LOGS = SANITIZER_LOGS
+if SANITIZER_LOGS and os.environ.get("PYTEST_XDIST_WORKER"):
+    SANITIZER_LOGS = os.path.join(_SHARED_SANITIZER_LOGS, os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(SANITIZER_LOGS, exist_ok=True)
+    os.environ["PYCOMM_SANITIZER_LOGS"] = SANITIZER_LOGS
+    for _var in ("ASAN_OPTIONS", "UBSAN_OPTIONS"):
+        os.environ[_var] = ":".join(
+            f"log_path={os.path.join(SANITIZER_LOGS, os.path.basename(o.partition('=')[2]))}"
+            if o.startswith("log_path=") else o for o in os.environ.get(_var, "").split(":"))
 
 # tests/integrations run the frameworks users launch from (Accelerate, Lightning, Ray,
 # ...), which the main environment does not have: `make test-integrations` installs them
@@ -44,9 +58,13 @@ os.environ.setdefault("PYCOMM_COST_MODEL", "default")
 
 
 def _sanitizer_reports():
-    if not SANITIZER_LOGS or not os.path.isdir(SANITIZER_LOGS):
-        return set()
-    return set(os.listdir(SANITIZER_LOGS))
+    """Report files (paths) in this process's folder and, under xdist, the shared one."""
+    found = set()
+    for folder in {SANITIZER_LOGS, _SHARED_SANITIZER_LOGS} - {None}:
+        if os.path.isdir(folder):
+            found.update(os.path.join(folder, name) for name in os.listdir(folder)
+                         if os.path.isfile(os.path.join(folder, name)))
+    return found
 
 
 # Reports already charged to a test (or there before the session). Compared after
@@ -64,9 +82,9 @@ def _no_sanitizer_report():
     _seen_reports.update(new)
     if new:
         texts = []
-        for name in new:
-            with open(os.path.join(SANITIZER_LOGS, name), errors="replace") as f:
-                texts.append(f"--- {name}:\n{f.read()[:6000]}")
+        for path in new:
+            with open(path, errors="replace") as f:
+                texts.append(f"--- {path}:\n{f.read()[:6000]}")
         pytest.fail(f"sanitizer report(s) in {SANITIZER_LOGS}:\n" + "\n".join(texts), pytrace=False)
 
 
