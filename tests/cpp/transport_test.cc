@@ -1013,9 +1013,9 @@ void leavingPeerStillDeliversWhatItSent() {
 // false: the posting thread's own write meets the reset) or to the aborting peer
 // itself (true: the I/O thread's write does), so nothing reads the notice until
 // the send has failed. (An I/O thread that had not reached that write yet may
-// read the notice first: such a round passes with or without the fix.) A hook
-// that raised on one rank of a DDP job failed its peer this way as "lost the
-// connection (Broken pipe)" (tests/hooks/test_hooks_checkpoint.py).
+// read the notice first: such a round passes with or without the fix.) The same
+// race, unchecked, reports a comm hook that raises on one rank to its peers as "lost
+// the connection (Broken pipe)" (tests/hooks/test_hooks_checkpoint.py).
 void sendsMeetingAnAbortResetReportTheNotice(bool viaIoThread) {
   const std::string reason = "test: a hook raised ValueError";
   const std::string expected = "rank 1 aborted the group: " + reason;
