@@ -177,6 +177,10 @@ class TcpTransport : public Transport {
     std::mutex mutex;
     std::deque<PendingSend> sendQueue;
     bool writeArmed = false;
+    // Set when a write met the peer's reset (EPIPE, ECONNRESET): that error, which
+    // every later flush returns; nothing more is written or armed, and the queue
+    // waits for failPeer (sendFailed).
+    std::string resetError;
     // Wire integrity (null without): this direction's frame MAC and sequence number.
     std::unique_ptr<HmacSha256> sendMac;
     uint64_t sendSequence = 0;
@@ -217,6 +221,7 @@ class TcpTransport : public Transport {
     bool parked = false;  // stream 0 waits unread after a header: no receive, no budget
                           // (written under mutex_ by stream 0's thread)
     std::string abortText;                // stream 0's thread only
+    std::atomic<bool> noticeArriving{false};  // stream 0 read an abort notice's header
     std::atomic<uint64_t> messagesIn{0};  // headers read from this peer
     std::atomic<uint64_t> messagesOut{0}; // messages fully written to it
   };
@@ -260,6 +265,11 @@ class TcpTransport : public Transport {
   void failLostMessage(int peer, const std::shared_ptr<Inbound>& message);
   // Writes what the socket accepts; returns an error text ("" if none).
   std::string flushSends(int peer, Stream& s, std::vector<RequestPtr>& done);
+  // A write to `peer` failed with `error` (`reset`: the peer reset the
+  // connection): fails the peer, unless its abort notice may still wait unread
+  // on stream 0 (noticeMayWait), whose reader then fails it; without locks.
+  void sendFailed(int peer, const std::string& error, bool reset);
+  bool noticeMayWait(int peer);
   void armWrite(Stream& s, bool on);  // under s.mutex
   // Marks `peer` lost, fails what waits on it, and shuts its sockets. `reason`
   // completes "rank R lost the connection to rank P (reason)" unless

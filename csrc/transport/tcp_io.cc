@@ -188,21 +188,24 @@ void TcpTransport::finishStripe(int peer, Stream& s) {
 void TcpTransport::handleWritable(int peer, int k) {
   std::vector<RequestPtr> done;
   std::string error;
+  bool reset = false;
   {
     Stream& s = *peers_[peer]->streams[k];
     std::lock_guard<std::mutex> lock(s.mutex);
     if (s.fd < 0) return;
     error = flushSends(peer, s, done);
-    if (error.empty() && s.sendQueue.empty() && s.writeArmed) armWrite(s, false);
+    reset = !s.resetError.empty();
+    if ((s.sendQueue.empty() || reset) && s.writeArmed) armWrite(s, false);
   }
   for (auto& r : done) r->complete();
-  if (!error.empty()) failPeer(peer, error);
+  if (!error.empty()) sendFailed(peer, error, reset);
 }
 
 std::string TcpTransport::flushSends(int peer, Stream& s, std::vector<RequestPtr>& done) {
   Peer& p = *peers_[peer];
   HmacSha256* mac = s.sendMac.get();
   const size_t tagBytes = mac ? kFrameTagBytes : 0;
+  if (!s.resetError.empty()) return s.resetError;
   while (!s.sendQueue.empty()) {
     PendingSend& send = s.sendQueue.front();
     // On the wire: [header, its tag] (stream 0), payload, [its tag] (tags with wire integrity).
@@ -246,7 +249,9 @@ std::string TcpTransport::flushSends(int peer, Stream& s, std::vector<RequestPtr
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return "";
-        return errnoText(errno);
+        if (errno != EPIPE && errno != ECONNRESET) return errnoText(errno);
+        s.resetError = errnoText(errno);
+        return s.resetError;
       }
     }
     send.written += static_cast<size_t>(n);

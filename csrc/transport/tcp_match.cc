@@ -4,6 +4,7 @@
 #include "transport/tcp.h"
 
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -40,6 +41,7 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
   const char* payload = static_cast<const char*>(data);
   std::vector<RequestPtr> done;
   std::string error;
+  bool reset = false;
   bool closed = false;
   {
     Peer& p = *peers_[peer];
@@ -54,12 +56,15 @@ RequestPtr TcpTransport::isend(int peer, uint64_t tag, const void* data, size_t 
       }
       s.sendQueue.push_back({message, WireHeader{kDataMagic, 0, tag, bytes}, i == 0, payload + offset,
                              stripeOffset(bytes, count, i + 1) - offset, 0});
-      if (i == 0 && s.sendQueue.size() == 1) error = flushSends(peer, s, done);
-      if (error.empty() && !s.sendQueue.empty() && !s.writeArmed) armWrite(s, true);
+      if (i == 0 && s.sendQueue.size() == 1) {
+        error = flushSends(peer, s, done);
+        reset = !s.resetError.empty();
+      }
+      if (error.empty() && s.resetError.empty() && !s.sendQueue.empty() && !s.writeArmed) armWrite(s, true);
     }
   }
   for (auto& r : done) r->complete();
-  if (!error.empty()) failPeer(peer, error);
+  if (!error.empty()) sendFailed(peer, error, reset);
   if (closed) {
     std::lock_guard<std::mutex> lock(mutex_);
     request->fail(!abortReason_.empty() ? abortReason_ : peers_[peer]->failure);
@@ -180,6 +185,7 @@ bool TcpTransport::matchIncoming(int peer) {
   s0.got = 0;
   if (s0.header.flags & kFlagAbort) {  // not data: the peer says why it is leaving
     message->abortNotice = true;
+    p.noticeArriving = true;
     p.abortText.resize(bytes);
     message->dst = p.abortText.data();
     s0.current = Stripe{message, 0, bytes};
@@ -525,6 +531,41 @@ void TcpTransport::failPeer(int peer, const std::string& reason, bool fullMessag
   if (thread < 0) wake();
   for (auto& r : failed)
     if (r) r->fail(message);
+}
+
+void TcpTransport::sendFailed(int peer, const std::string& error, bool reset) {
+  if (reset && noticeMayWait(peer)) return;
+  failPeer(peer, error);
+}
+
+// A peer that aborts sends its notice on stream 0, then closes its sockets; one
+// that still held bytes of ours unread resets the connection, and a write here
+// can meet that reset before stream 0's I/O thread has read the notice. Linux
+// hands a socket's queued bytes to recv before it reports the reset, so while
+// stream 0 holds unread bytes and its reader is free to read them, the peer is
+// left to that reader: it fails the peer with the notice's reason, or at the
+// end of the stream if no notice came, and failPeer fails the sends queued here
+// (which wait unwritten, resetError). The reset keeps stream 0 readable, so the
+// reader gets there; if it parks before the end, the hang-up fails the peer.
+// The reader may also have taken the notice's last bytes already and not yet
+// failed the peer (noticeArriving, set before it reads the reason). When stream
+// 0 holds nothing, or is parked, or the peer failed already, the peer fails now,
+// as for any error (a send queued after failPeer emptied the queue gets here
+// too: its flush returns the reset again).
+bool TcpTransport::noticeMayWait(int peer) {
+  Peer& p = *peers_[peer];
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!p.failure.empty() || p.parked) return false;
+  }
+  Stream& s0 = *p.streams[0];
+  {
+    std::lock_guard<std::mutex> lock(s0.mutex);
+    int unread = 0;
+    if (s0.fd >= 0 && !s0.readPaused && ::ioctl(s0.fd, FIONREAD, &unread) == 0 && unread > 0) return true;
+  }
+  // Checked after the socket: its last bytes are read only once this is set.
+  return p.noticeArriving.load();
 }
 
 std::string TcpTransport::everyPeerLostLocked() const {

@@ -1005,6 +1005,69 @@ void leavingPeerStillDeliversWhatItSent() {
          "a receive for what it never sent fails with its reason: " + later->error());
 }
 
+// A peer that aborts closes its sockets with this rank's bytes unread in them, so
+// the kernel answers with a reset right behind its abort notice; a send that meets
+// the reset before this rank's I/O thread read the notice must not fail the peer as
+// lost: the notice, already in the socket, names the reason. Made (nearly) certain
+// by holding this rank's one I/O thread in a write to another peer (`viaIoThread`
+// false: the posting thread's own write meets the reset) or to the aborting peer
+// itself (true: the I/O thread's write does), so nothing reads the notice until
+// the send has failed. (An I/O thread that had not reached that write yet may
+// read the notice first: such a round passes with or without the fix.) The same
+// race, unchecked, reports a comm hook that raises on one rank to its peers as "lost
+// the connection (Broken pipe)" (tests/hooks/test_hooks_checkpoint.py).
+void sendsMeetingAnAbortResetReportTheNotice(bool viaIoThread) {
+  const std::string reason = "test: a hook raised ValueError";
+  const std::string expected = "rank 1 aborted the group: " + reason;
+  const std::string path = viaIoThread ? "the I/O thread's write" : "the posting thread's write";
+  // Big enough to outlast the socket buffers: its write waits for the receiver.
+  std::vector<char> big(64 << 20, 1);
+  int bad = 0, counted = 0;
+  std::string firstBad;
+  const int rounds = 10;
+  for (int attempt = 0; attempt < 3 * rounds && counted < rounds; ++attempt) {
+    MemoryStore store(kStoreTimeout);
+    TcpOptions options;
+    options.maxUnexpectedBytes = 0;  // rank 1 leaves a message unread: its close resets
+    auto transports = mesh(viaIoThread ? 2 : 3, store, {}, options);
+    const int stalled = viaIoThread ? 1 : 2;  // the peer whose write holds rank 0's I/O thread
+    auto drain = transports[stalled]->irecv(0, 1, big.data(), big.size());
+    auto bulk = transports[0]->isend(stalled, 1, big.data(), big.size());
+    RequestPtr probe;
+    bool written = false;
+    {
+      std::unique_lock<std::mutex> hold(TcpTransportProbe::sendMutex(*transports[0], stalled));
+      // The posting thread may have written it all while the receiver kept pace:
+      // then no write waits, and the round proves nothing.
+      written = bulk->completed();
+      // The receiver drains what was written; the I/O thread wakes to write more
+      // and waits for this lock.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      int value = 1;
+      if (!viaIoThread) {
+        auto unread = transports[0]->isend(1, 2, &value, sizeof(value));
+        waitOk(unread);  // in rank 1's socket; it parks at the header
+      }
+      transports[1]->abort(reason);
+      // The notice, then the reset, have reached rank 0; its I/O thread read neither.
+      if (!viaIoThread) probe = transports[0]->isend(1, 3, &value, sizeof(value));
+    }
+    const RequestPtr& failed = viaIoThread ? bulk : probe;
+    failed->waitUntil(Clock::now() + std::chrono::seconds(10));
+    if (!written) {
+      ++counted;
+      if (!failed->failed() || failed->error().find(expected) == std::string::npos)
+        if (bad++ == 0) firstBad = failed->completed() ? failed->error() : "(still pending)";
+    }
+    for (auto& t : transports)
+      if (t) t->abort("test done");
+  }
+  expect(counted == rounds && bad == 0,
+         "a send meeting the reset of a peer that aborted (" + path + ") reports its notice in every one of " +
+             std::to_string(counted) + " rounds (" + std::to_string(bad) + " did not" +
+             (bad > 0 ? ", first: " + firstBad : std::string()) + ")");
+}
+
 }  // namespace
 
 int main() {
@@ -1032,6 +1095,8 @@ int main() {
   unexpectedBudgetKeepsEveryMessage(3, 2, (768 << 10) + 1);
   lostPeerFailsEveryStream();
   leavingPeerStillDeliversWhatItSent();
+  sendsMeetingAnAbortResetReportTheNotice(false);
+  sendsMeetingAnAbortResetReportTheNotice(true);
   std::cout << (failures == 0 ? "all passed" : "FAILURES: " + std::to_string(failures)) << std::endl;
   return failures == 0 ? 0 : 1;
 }
