@@ -22,7 +22,10 @@ $(STAMP): $(SOURCES)
 	$(PIP) install --quiet $(DEPS)
 	@# setup.py imports torch: with autoload off, a stale install of pycomm (its folder gone)
 	@# cannot stop torch from loading while the new one is built.
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PIP) install --quiet --no-build-isolation -e .
+	@# ccache (where torch finds it) keyed without this folder's path, so another clone or
+	@# worktree of the same sources reuses the objects instead of compiling for minutes.
+	CCACHE_BASEDIR=$(CURDIR) CCACHE_NOHASHDIR=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0 \
+	  $(PIP) install --quiet --no-build-isolation -e .
 	@mkdir -p $(dir $@) && touch $@
 
 # A missing extension (make clean, a fresh clone), a python without pycomm installed, or
@@ -39,8 +42,10 @@ demo: install
 # The suite in two parts: all but the `serial` tests on PYTEST_WORKERS pytest-xdist workers
 # (a file per worker at a time, the longest files first: tests/conftest.py), then the serial
 # ones alone (they count what the scheduler or the clock did). Both parts run; either
-# failing fails the target. PYTEST_WORKERS=0 runs the first part in one process.
-PYTEST_WORKERS ?= 2
+# failing fails the target. 3 workers on 2 cores: many tests wait on processes, timeouts
+# or the network (benchmarks/results/suite_durations.md compares 2 and 3).
+# PYTEST_WORKERS=0 runs the first part in one process.
+PYTEST_WORKERS ?= 3
 PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # $(1): ANDed with each part's marker ("not slow and "), $(2): the test paths, $(3): an
 # environment for python. A serial part that selects nothing (pytest's exit code 5: no

@@ -123,8 +123,11 @@ SLOW_TESTS = frozenset({
 # alone (`-m serial`): tests that count what the scheduler or the clock did (where ranks
 # ran, whether a wait slept, measured against modelled times) and the check that
 # /dev/shm holds no segment, which another worker's run may hold for a moment.
-SERIAL_MODULES = frozenset({"test_shm", "test_shm_neighbour_load"})
-SERIAL_TESTS = frozenset({"test_plan::test_validate_across_namespaces"})
+SERIAL_MODULES = frozenset({"test_shm_neighbour_load"})
+SERIAL_TESTS = frozenset({
+    "test_plan::test_validate_across_namespaces", "test_shm::test_waiting_ranks_sleep_when_oversubscribed",
+    "test_shm::test_crowded_ranks_spread_over_their_cpus", "test_shm::test_no_segment_left_in_dev_shm",
+})
 
 # The modules that take longest (per-file sums of `--durations=0`, tools/suite_durations.py),
 # longest first: collected first, so xdist's workers start on them and the short modules
