@@ -37,7 +37,8 @@ SANITIZER_LOGS = os.environ.get("PYCOMM_SANITIZER_LOGS")
 # worker's own python keeps the path it started with: reports in the shared folder are
 # judged by every worker.
 _SHARED_SANITIZER_LOGS = SANITIZER_LOGS
-if SANITIZER_LOGS and os.environ.get("PYTEST_XDIST_WORKER"):
+if SANITIZER_LOGS and os.environ.get("PYTEST_XDIST_WORKER") and \
+        os.path.basename(SANITIZER_LOGS) != os.environ["PYTEST_XDIST_WORKER"]:  # not twice (a child pytest)
     SANITIZER_LOGS = os.path.join(_SHARED_SANITIZER_LOGS, os.environ["PYTEST_XDIST_WORKER"])
     os.makedirs(SANITIZER_LOGS, exist_ok=True)
     os.environ["PYCOMM_SANITIZER_LOGS"] = SANITIZER_LOGS
