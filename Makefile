@@ -111,7 +111,8 @@ ASAN_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tests/
 ASAN_CI_TESTS ?= $(filter-out tests/algorithms/test_algorithms.py,$(ASAN_TESTS)) tests/transport/test_placement_cpp.py
 
 asan-build: install
-	PYCOMM_SANITIZE=$(SANITIZE) $(PYTHON) setup.py build_ext --build-temp $(ASAN_DIR)/temp --build-lib $(ASAN_DIR)/lib
+	CCACHE_BASEDIR=$(CURDIR) CCACHE_NOHASHDIR=1 PYCOMM_SANITIZE=$(SANITIZE) \
+	  $(PYTHON) setup.py build_ext --build-temp $(ASAN_DIR)/temp --build-lib $(ASAN_DIR)/lib
 	rm -rf $(ASAN_DIR)/pkg $(ASAN_DIR)/logs
 	mkdir -p $(ASAN_DIR)/pkg $(ASAN_DIR)/logs
 	cp -r pycomm $(ASAN_DIR)/pkg/
