@@ -241,10 +241,10 @@ def worker(args):
         if dist is not None:
             dist.barrier()
 
-    # all_reduce calls as the TP layers make them, timed without the profiler: the sum of
-    # their times and each call's entry and exit stamps on CLOCK_MONOTONIC, which every
+    # all_reduce calls as the TP layers make them, timed without the profiler: each call's
+    # entry and exit stamps on CLOCK_MONOTONIC, which every
     # process of the machine reads alike (the arrival split compares the ranks' stamps)
-    ar_clock = {"on": False, "s": 0.0, "n": 0, "entries": [], "exits": [], "async": 0, "depth": 0}
+    ar_clock = {"on": False, "entries": [], "exits": [], "async": 0, "depth": 0}
 
     def timed(real):
         def timed_call(*a, **k):
@@ -264,11 +264,8 @@ def worker(args):
                 try:
                     return real(*a, **k)
                 finally:
-                    t1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-                    ar_clock["s"] += (t1 - t) / 1e9
-                    ar_clock["n"] += 1
                     ar_clock["entries"].append(t)
-                    ar_clock["exits"].append(t1)
+                    ar_clock["exits"].append(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
             finally:
                 ar_clock["depth"] -= 1
         return timed_call
@@ -303,15 +300,15 @@ def worker(args):
             t0 = time.perf_counter()
             o = model(prompt, use_cache=True)
             t1 = time.perf_counter()
-            ar_clock.update(on=True, s=0.0, n=0, entries=[], exits=[])
+            ar_clock.update(on=True, entries=[], exits=[])
             # the first new token comes from the prefill; NEW_TOKENS decode forwards follow
             tokens = decode(o.logits, o.past_key_values, NEW_TOKENS + 1)
             t2 = time.perf_counter()
             ar_clock["on"] = False
             prefill_s.append(t1 - t0)
             decode_s.append(t2 - t1)
-            ar_s.append(ar_clock["s"])
-            ar_n.append(ar_clock["n"])
+            ar_s.append(sum(b - a for a, b in zip(ar_clock["entries"], ar_clock["exits"])) / 1e9)
+            ar_n.append(len(ar_clock["entries"]))
             stamps.append((ar_clock["entries"], ar_clock["exits"], t2 - t1))
             sync()
             t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 Markers (registered in pyproject.toml):
   slow    end-to-end tests; CI runs them, `make test-fast` skips them.
   serial  run after the others, alone (not on xdist's parallel workers): SERIAL_* below.
-  gpu   needs a CUDA device; skipped cleanly where torch sees none.
+  gpu     needs a CUDA device; skipped cleanly where torch sees none.
 
 Sanitizer runs (`make test-asan`): PYCOMM_SANITIZER_LOGS names the folder where
 ASan/UBSan write their reports (ASAN_OPTIONS/UBSAN_OPTIONS log_path), from any
@@ -120,7 +120,7 @@ SLOW_TESTS = frozenset({
 })
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-m "not serial"`), then these
+# `make test` runs the suite on pytest-xdist workers (PYTEST_WORKERS in the Makefile) (`-m "not serial"`), then these
 # alone (`-m serial`): tests that count what the scheduler or the clock did (where ranks
 # ran, whether a wait slept, measured against modelled times) and the check that
 # /dev/shm holds no segment, which another worker's run may hold for a moment.
