@@ -167,7 +167,7 @@ FUZZ_DIR := build-fuzz
 FUZZ_RUNS := fuzz_frames:4096 fuzz_coo_allreduce:4096 fuzz_wire:4096 fuzz_coo:1024 fuzz_sparse:1024 \
 	fuzz_alltoall_splits:256
 FUZZ_TARGETS := $(foreach run,$(FUZZ_RUNS),$(firstword $(subst :, ,$(run))))
-FUZZ_FLAGS := -std=c++17 -g -O1 -fno-omit-frame-pointer -fno-sanitize-recover=all -pthread -Icsrc -MMD -MP
+FUZZ_FLAGS := -std=c++17 -g1 -O1 -fno-omit-frame-pointer -fno-sanitize-recover=all -pthread -Icsrc -MMD -MP
 FUZZ_LIB_SOURCES := $(sort $(wildcard csrc/transport/*.cc csrc/algorithms/*.cc csrc/kernels/cpu/*.cc))
 FUZZ_LIB_OBJECTS := $(patsubst csrc/%.cc,$(FUZZ_DIR)/obj/%.o,$(FUZZ_LIB_SOURCES))
 FUZZ_BINARIES := $(addprefix $(FUZZ_DIR)/bin/,$(FUZZ_TARGETS))

@@ -15,7 +15,7 @@ change, or a second `make install`, compiles nothing; torch wraps the compiler i
 where it is installed. A --build-temp given on the command line (make asan-build) wins.
 
 Sanitizers: PYCOMM_SANITIZE=address,undefined (any -fsanitize= list) builds with
-those sanitizers at -O1 -g with frame pointers. Build it apart from the normal
+those sanitizers at -O1 -g1 with frame pointers. Build it apart from the normal
 extension (`make test-asan` does: --build-temp/--build-lib under build-asan/) and
 load it into an unsanitized python with LD_PRELOAD=$(g++ -print-file-name=libasan.so).
 """
@@ -78,10 +78,13 @@ def sanitize_flags():
 
 
 SANITIZE = sanitize_flags()
-# Sanitized builds: -O1 -g keep reports readable and the build fast enough.
-CXX_FLAGS = ["-O1" if SANITIZE else "-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+# -g1 (line tables: a backtrace or a sanitizer report names the file and line, inlined
+# frames too) over the -g that python's flags bring: full debug info of torch's headers
+# made each backend file compile 1.4-1.6x (1.8x sanitized) slower
+# (benchmarks/results/suite_durations.md). Sanitized builds: -O1 keeps the build fast.
+CXX_FLAGS = ["-O1" if SANITIZE else "-O3", "-g1", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
 if SANITIZE:
-    CXX_FLAGS += SANITIZE + ["-g", "-fno-omit-frame-pointer"]
+    CXX_FLAGS += SANITIZE + ["-fno-omit-frame-pointer"]
 
 
 # OpenSSL's libcrypto: the TCP transport's SHA-256, HMAC, HKDF, PBKDF2, constant-time
