@@ -4,12 +4,13 @@ content into a cache (in parallel), then linked into a test binary or into the
 loopback harness module (tests/loopback.py).
 
 PYCOMM_TEST_SANITIZE=address,undefined (any -fsanitize= list) builds all of it
-with those sanitizers (-O1 -g, UBSan without recovery), cached apart from the
+with those sanitizers (-O1 -g1, UBSan without recovery), cached apart from the
 normal build; a sanitized loopback module needs the sanitizer runtime preloaded
 into python (`make test-asan` sets it up)."""
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import functools
 import glob
 import hashlib
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 
 import pytest
 
@@ -37,7 +39,7 @@ def _sanitize_flags() -> tuple:
     for name in knob.split(","):
         if not name or not all(c.isalnum() or c in "-_" for c in name):
             raise ValueError(f"PYCOMM_TEST_SANITIZE must be a comma-separated list of sanitizers (got {knob!r})")
-    return (f"-fsanitize={knob}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-O1")
+    return (f"-fsanitize={knob}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1", "-O1")
 
 
 # The flags are part of every cache key, so a sanitized build never meets a normal one.
@@ -139,33 +141,48 @@ def cached_check(cmd: list, sources: list, tools: list = (), extra_key: str = ""
     return proc
 
 
+def _build_once(out: str, build) -> str:
+    """``out``, made by ``build(tmp)`` (then renamed) unless it is in the cache. One process
+    or thread builds it at a time: the suite's xdist workers and a test's ranks ask for the
+    same objects at once, and one that finds another building it waits for that build
+    (bounded by the compiler's timeout) and reuses it instead of compiling it again."""
+    if os.path.exists(out):
+        return out
+    with open(f"{out}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.exists(out):
+                tmp = f"{out}.{os.getpid()}.{threading.get_ident()}.tmp"
+                build(tmp)
+                os.replace(tmp, out)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
 def _compile(source: str, extra=()) -> str:
     obj = os.path.join(cache_dir(), f"{os.path.basename(source)}-{_key([source], extra)}.o")
-    if not os.path.exists(obj):
-        tmp = f"{obj}.{os.getpid()}.tmp"
-        subprocess.run([compiler(), *FLAGS, *extra, "-I", CSRC, "-c", source, "-o", tmp], check=True,
-                       timeout=600)
-        os.replace(tmp, obj)
-    return obj
+    return _build_once(obj, lambda tmp: subprocess.run(
+        [compiler(), *FLAGS, *extra, "-I", CSRC, "-c", source, "-o", tmp], check=True, timeout=600))
 
 
 def library_objects() -> list:
-    """The torch-free layers' objects, compiled (or found in the cache) in parallel."""
+    """The torch-free layers' objects, compiled (or found in the cache) in parallel. Each
+    process starts at a different source, so processes that build at once (the xdist
+    workers' first C++ tests) share the work out instead of queueing on the same lock."""
     sources = sorted(s for layer in LAYERS for s in glob.glob(os.path.join(CSRC, layer, "*.cc")))
+    start = os.getpid() % len(sources)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        return list(pool.map(_compile, sources))
+        list(pool.map(_compile, sources[start:] + sources[:start]))
+    return [_compile(source) for source in sources]  # all cached now, in a stable order
 
 
 def binary(main_source: str) -> str:
     """A test program: `main_source` linked with the library objects."""
     objects = library_objects()
     out = os.path.join(cache_dir(), f"{os.path.basename(main_source)}-{_key([main_source] + objects)}")
-    if not os.path.exists(out):
-        main_obj = _compile(main_source)
-        tmp = f"{out}.{os.getpid()}.tmp"  # ranks of one test may build the same program at once
-        subprocess.run([compiler(), *FLAGS, main_obj, *objects, *LIBS, "-o", tmp], check=True, timeout=600)
-        os.replace(tmp, out)
-    return out
+    return _build_once(out, lambda tmp: subprocess.run(
+        [compiler(), *FLAGS, _compile(main_source), *objects, *LIBS, "-o", tmp], check=True, timeout=600))
 
 
 def python_module(name: str, source: str):
@@ -175,12 +192,9 @@ def python_module(name: str, source: str):
     objects = library_objects()
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     out = os.path.join(cache_dir(), f"{name}-{_key([source] + objects, include_flags)}{suffix}")
-    if not os.path.exists(out):
-        module_obj = _compile(source, include_flags)
-        tmp = f"{out}.{os.getpid()}.tmp"  # the ranks of one test build it at once
-        subprocess.run([compiler(), *FLAGS, "-shared", module_obj, *objects, *LIBS, "-o", tmp], check=True,
-                       timeout=600)
-        os.replace(tmp, out)
+    _build_once(out, lambda tmp: subprocess.run(  # the ranks of one test ask for it at once
+        [compiler(), *FLAGS, "-shared", _compile(source, include_flags), *objects, *LIBS, "-o", tmp],
+        check=True, timeout=600))
     spec = importlib.util.spec_from_file_location(name, out)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -60,3 +60,25 @@ def test_cached_check_keeps_clean_results_per_content(tmp_path, monkeypatch):
     failing = ok[:-1] + [ok[-1] + "; raise SystemExit(3)"]
     assert cpp_build.cached_check(failing, [src]).returncode == 3 and runs() == 4
     assert cpp_build.cached_check(failing, [src]).returncode == 3 and runs() == 5  # never kept
+
+
+def test_processes_asking_for_one_object_at_once_compile_it_once(tmp_path):
+    # The xdist workers' first C++ tests (and a test's ranks) ask for the same objects at
+    # once: one compiles each, the others wait for it and reuse it.
+    import os
+    import subprocess
+
+    log = tmp_path / "compiles.log"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f"#!/bin/sh\necho run >> {log}\nsleep 1\nexec g++ \"$@\"\n")
+    cxx.chmod(0o755)
+    src = _write(tmp_path / "one.cc", "int one() { return 1; }\n")
+    env = dict(os.environ, CXX=str(cxx), PYCOMM_TEST_BUILD_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.path.dirname(cpp_build.__file__))
+    code = f"import cpp_build; print(cpp_build._compile({src!r}))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(set(outs)) == 1 and os.path.exists(outs[0]), outs
+    assert log.read_text().splitlines() == ["run"]  # compiled once, not once per process
