@@ -60,11 +60,13 @@ define run_suite
 	exit $$status
 endef
 
+# The C++ test programs and the loopback module link pycomm._C's own torch-free objects
+# where they are up to date (tests/cpp_build.py) instead of compiling them again.
 test: install
-	$(call run_suite,,tests,)
+	$(call run_suite,,tests,PYCOMM_TEST_EXTENSION_OBJECTS=auto)
 
 test-fast: install
-	$(call run_suite,not slow and ,tests,)
+	$(call run_suite,not slow and ,tests,PYCOMM_TEST_EXTENSION_OBJECTS=auto)
 
 bench: install
 	$(PYTHON) -m pycomm.bench -n 2 -b 8 -e 64M -f 4
@@ -84,7 +86,8 @@ check-cuda:
 # leak detection is off (CPython leaks by design). Reports go to build-asan/logs,
 # and tests/conftest.py fails the test during which one appears; abort_on_error also
 # kills the process that hit it. The C++ test programs, the loopback module and the
-# fuzz targets are built sanitized by the tests themselves (PYCOMM_TEST_SANITIZE).
+# fuzz targets are built sanitized by the tests themselves (PYCOMM_TEST_SANITIZE), on the
+# sanitized extension's torch-free objects (PYCOMM_TEST_EXTENSION_OBJECTS).
 SANITIZE ?= address,undefined
 ASAN_DIR := $(CURDIR)/build-asan
 CXX_ASAN ?= g++
@@ -92,7 +95,7 @@ ASAN_ENV = LD_PRELOAD="$$($(CXX_ASAN) -print-file-name=libasan.so) $$($(CXX_ASAN
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$(ASAN_DIR)/logs/asan \
 	UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1:log_path=$(ASAN_DIR)/logs/ubsan \
 	PYCOMM_SANITIZER_LOGS=$(ASAN_DIR)/logs PYCOMM_TEST_SANITIZE=$(SANITIZE) \
-	PYCOMM_TEST_BUILD_DIR=$(ASAN_DIR)/cpp PYTHONPATH=$(ASAN_DIR)/pkg PYTHONSAFEPATH=1 \
+	PYCOMM_TEST_BUILD_DIR=$(ASAN_DIR)/cpp PYCOMM_TEST_EXTENSION_OBJECTS=$(ASAN_DIR)/temp PYTHONPATH=$(ASAN_DIR)/pkg PYTHONSAFEPATH=1 \
 	PYCOMM_TEST_START_METHOD=spawn
 # Everything that exercises failure paths: killed and silent ranks, usage errors,
 # runtime errors, the fuzz targets, the TCP transport and bootstrap alone (C++), the

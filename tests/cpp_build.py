@@ -166,15 +166,55 @@ def _compile(source: str, extra=()) -> str:
         [compiler(), *FLAGS, *extra, "-I", CSRC, "-c", source, "-o", tmp], check=True, timeout=600))
 
 
+def extension_objects_dir():
+    """Where setup.py built pycomm._C's objects, for the tests to link the torch-free ones
+    instead of compiling them again: PYCOMM_TEST_EXTENSION_OBJECTS, a build folder
+    (`make test-asan` names the sanitized build's), or "auto" (`make test`: the normal
+    build's, build/temp-<torch>-<cpu|cuda>/). Unset (a plain pytest): none."""
+    folder = os.environ.get("PYCOMM_TEST_EXTENSION_OBJECTS", "")
+    if folder != "auto":
+        return folder or None
+    import torch
+
+    for kind in ("cpu", "cuda"):
+        candidate = os.path.join(ROOT, "build", f"temp-{torch.__version__}-{kind}")
+        if os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+def extension_object(source: str):
+    """setup.py's object for ``source``, when there is one newer than the source and every
+    header it includes; else None (the tests compile their own). Its flags differ from
+    FLAGS only where the tests do not care: -O3 (-O1 sanitized) and python's -DNDEBUG
+    -fwrapv (csrc's torch-free layers have no assert()); sanitized, it recovers from a
+    UBSan report unless UBSAN_OPTIONS=halt_on_error=1, which `make test-asan` sets."""
+    folder = extension_objects_dir()
+    if folder is None:
+        return None
+    obj = os.path.join(folder, os.path.splitext(os.path.relpath(os.path.abspath(source), ROOT))[0] + ".o")
+    try:
+        built = os.path.getmtime(obj)
+    except OSError:
+        return None
+    if any(os.path.getmtime(dep) > built for dep in includes(source)):
+        return None  # a source or header changed since pycomm._C was built
+    return obj
+
+
 def library_objects() -> list:
-    """The torch-free layers' objects, compiled (or found in the cache) in parallel. Each
+    """The torch-free layers' objects: pycomm._C's own where they are up to date
+    (extension_object), the others compiled (or found in the cache) in parallel. Each
     process starts at a different source, so processes that build at once (the xdist
     workers' first C++ tests) share the work out instead of queueing on the same lock."""
     sources = sorted(s for layer in LAYERS for s in glob.glob(os.path.join(CSRC, layer, "*.cc")))
-    start = os.getpid() % len(sources)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        list(pool.map(_compile, sources[start:] + sources[:start]))
-    return [_compile(source) for source in sources]  # all cached now, in a stable order
+    found = {source: extension_object(source) for source in sources}
+    missing = [source for source in sources if found[source] is None]
+    if missing:
+        start = os.getpid() % len(missing)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            list(pool.map(_compile, missing[start:] + missing[:start]))
+    return [found[source] or _compile(source) for source in sources]  # all cached now, in a stable order
 
 
 def binary(main_source: str) -> str:

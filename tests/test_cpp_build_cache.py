@@ -82,3 +82,24 @@ def test_processes_asking_for_one_object_at_once_compile_it_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert len(set(outs)) == 1 and os.path.exists(outs[0]), outs
     assert log.read_text().splitlines() == ["run"]  # compiled once, not once per process
+
+
+def test_extension_objects_are_linked_only_when_newer_than_their_sources(tmp_path, monkeypatch):
+    # make test links pycomm._C's torch-free objects instead of compiling them again; an
+    # object older than its source or a header it includes is not used.
+    import os
+
+    source = os.path.join(cpp_build.CSRC, "transport", "tcp.cc")
+    obj = tmp_path / "csrc" / "transport" / "tcp.o"
+    obj.parent.mkdir(parents=True)
+    obj.write_bytes(b"")
+    newest = max(os.path.getmtime(dep) for dep in cpp_build.includes(source))
+    monkeypatch.delenv("PYCOMM_TEST_EXTENSION_OBJECTS", raising=False)
+    assert cpp_build.extension_object(source) is None  # a plain pytest compiles its own
+    monkeypatch.setenv("PYCOMM_TEST_EXTENSION_OBJECTS", str(tmp_path))
+    os.utime(obj, (newest + 10, newest + 10))
+    assert cpp_build.extension_object(source) == str(obj)
+    os.utime(obj, (newest - 10, newest - 10))  # a header changed after the build
+    assert cpp_build.extension_object(source) is None
+    obj.unlink()
+    assert cpp_build.extension_object(source) is None
