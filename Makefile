@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan test-asan-ci docs test-integrations fuzz fuzz-build
+.PHONY: install demo test test-fast bench check-cuda clean asan-build test-asan docs test-integrations fuzz fuzz-build
 
 # `make install` does nothing when nothing it depends on changed: the stamp is newer than
 # the C++ sources, setup.py and this file, and the extension is in place. Otherwise pip
@@ -99,19 +99,16 @@ ASAN_ENV = LD_PRELOAD="$$($(CXX_ASAN) -print-file-name=libasan.so) $$($(CXX_ASAN
 	PYCOMM_TEST_START_METHOD=spawn
 # Everything that exercises failure paths: killed and silent ranks, usage errors,
 # runtime errors, the fuzz targets, the TCP transport and bootstrap alone (C++), the
-# shared-memory arena's failure cases, the algorithms over loopback. Left out: the
-# test of where the scheduler puts crowded ranks, which counts placements per call
-# and misses its margin at the sanitizers' speed (it checks no memory).
+# shared-memory arena's failure cases, the algorithms over loopback, the placement
+# program (the tree credits and the sharded posting). Left out: the test of where the
+# scheduler puts crowded ranks, which counts placements per call and misses its margin
+# at the sanitizers' speed (it checks no memory). CI runs all of it after `make test`
+# (.ci/run). It runs like `make test`: on the xdist workers, then the serial tests alone
+# (each worker's processes log to a folder of their own: tests/conftest.py).
 ASAN_TESTS ?= tests/backend/test_failures.py tests/backend/test_errors.py tests/backend/test_fuzz.py tests/transport/test_transport_cpp.py \
 	tests/transport/test_bootstrap_cpp.py tests/transport/test_bounds_cpp.py tests/transport/test_wire_integrity.py \
-	tests/transport/test_shm.py tests/algorithms/test_algorithms.py \
+	tests/transport/test_shm.py tests/algorithms/test_algorithms.py tests/transport/test_placement_cpp.py \
 	--deselect tests/transport/test_shm.py::test_crowded_ranks_spread_over_their_cpus
-# CI's share (.ci/run, after `make test`): the above but test_algorithms.py (on a clean
-# clone it and its sanitized loopback module added 1.5 min to 18:40), and the placement test
-# (the tree credits and the sharded posting under the sanitizers). Both run like `make
-# test`: on the xdist workers, then the serial tests alone (each worker's processes log
-# to a folder of their own: tests/conftest.py).
-ASAN_CI_TESTS ?= $(filter-out tests/algorithms/test_algorithms.py,$(ASAN_TESTS)) tests/transport/test_placement_cpp.py
 
 asan-build: install
 	CCACHE_BASEDIR=$(CURDIR) CCACHE_NOHASHDIR=1 PYCOMM_SANITIZE=$(SANITIZE) \
@@ -127,9 +124,6 @@ asan-build: install
 
 test-asan: asan-build
 	$(call run_suite,,$(ASAN_TESTS),$(ASAN_ENV))
-
-test-asan-ci: asan-build
-	$(call run_suite,,$(ASAN_CI_TESTS),$(ASAN_ENV))
 
 # The documentation site (mkdocs.yml; docs/development.md, "This documentation"):
 # --strict turns every warning (a broken link, a page missing from the nav's
