@@ -46,6 +46,10 @@ def _monitored_rank0_out_of_time(ctx, arrivals):
     import torch.distributed as dist
 
     group = dist.group.WORLD
+    if ctx.rank != 0:
+        # gloo's init_process_group can return on rank 0 while a peer is still connecting its
+        # mesh; rank 0 out of time at once and closing its group then fails that peer's init
+        ctx.mark_done("ready")
     if ctx.rank in arrivals:
         # arrives, then waits long for rank 0's verdict
         ctx.mark_done("arriving")
@@ -57,6 +61,8 @@ def _monitored_rank0_out_of_time(ctx, arrivals):
     if ctx.rank != 0:
         ctx.wait_done(0, limit_s=60)
         return None
+    for rank in range(1, ctx.world_size):
+        ctx.wait_done(rank, limit_s=60, tag="ready")
     for rank in arrivals:
         ctx.wait_done(rank, limit_s=60, tag="arriving")
     time.sleep(1.0 if arrivals else 0)  # their messages reach rank 0 first
