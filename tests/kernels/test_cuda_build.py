@@ -3,8 +3,9 @@
 * csrc/backend/*.cc with CUDA-only code (cuda_*.cc, #ifdef PYCOMM_WITH_CUDA) compile with PYCOMM_WITH_CUDA
   defined, against torch's headers (the c10/cuda ones ship with the CPU wheel too)
   and the CUDA toolkit's, with g++ -fsyntax-only: the code that only a CUDA build
-  compiles cannot rot unseen. Skipped when nvcc's toolkit headers or torch's
-  c10/cuda headers are absent. (The kernels themselves: tests/kernels/test_kernels.py.)
+  compiles cannot rot unseen (all of them in one translation unit first, each alone if
+  that fails). Skipped when nvcc's toolkit headers or torch's c10/cuda headers are
+  absent. (The kernels themselves: tests/kernels/test_kernels.py.)
 * setup.py's choice of build: PYCOMM_BUILD_CUDA=1 with a CPU torch fails clearly;
   the CPU build's sources leave out every CUDA file.
 """
@@ -61,8 +62,14 @@ def test_cuda_backend_sources_exist():
 
 @pytest.fixture(scope="module")
 def cuda_syntax_checks():
-    """Every BACKEND_SOURCES file through g++ -fsyntax-only with PYCOMM_WITH_CUDA, two at a time
-    (this machine's 2 cores; ~15 s each): name -> CompletedProcess, or a str saying why skipped."""
+    """Every BACKEND_SOURCES file through g++ -fsyntax-only with PYCOMM_WITH_CUDA: name ->
+    CompletedProcess, or a str saying why skipped. Most of each check is parsing torch's and
+    CUDA's headers (15-20 s a file here), so the files are first checked together as one
+    translation unit that includes each (about the time of one file); only when that fails
+    or warns is each file checked alone, two at a time, so a failure names its file and a
+    clash between two files' internal names does not fail them. (What one file alone would
+    miss here: a header it uses but only an earlier file includes. The CUDA build itself,
+    benchmarks/gpu_check.sh, compiles each file on its own.)"""
     from torch.utils.cpp_extension import include_paths
 
     cuda_include = cuda_include_dir()
@@ -86,17 +93,59 @@ def cuda_syntax_checks():
 
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 
-    def check(name):
+    def check(source):
         # the verdict is kept per content of the source and the headers it includes, g++'s
         # and nvcc's versions (the toolkit's headers) and torch's version (its headers)
-        source = os.path.join(ROOT, "csrc", "backend", name)
         return cpp_build.cached_check(base + [source], [source], tools=[cxx, nvcc],
                                       extra_key=torch.__version__, timeout=600)
+
+    return together_then_alone(BACKEND_SOURCES, check, cpp_build.cache_dir())
+
+
+def together_then_alone(names, check, folder):
+    """check(path) of one file under `folder` that #includes each of csrc/backend/<names>; when
+    that passes without a warning, its result stands for every name; otherwise each file's
+    own check(csrc/backend/<name>), two at a time: name -> result."""
+    unity = os.path.join(folder, "cuda-backend-together.cc")
+    text = "".join(f'#include "backend/{name}"\n' for name in names)
+    if not os.path.exists(unity) or open(unity).read() != text:
+        tmp = f"{unity}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, unity)
+    together = check(unity)
+    if together.returncode == 0 and "warning" not in together.stderr.lower():
+        return {name: together for name in names}
 
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(BACKEND_SOURCES, pool.map(check, BACKEND_SOURCES)))
+        return dict(zip(names, pool.map(check, [os.path.join(ROOT, "csrc", "backend", n) for n in names])))
+
+
+def test_a_failure_together_checks_each_file_alone(tmp_path):
+    """The files are checked alone when the check of all of them together fails or warns
+    (a failure then names its file; a clash of two files' names fails neither), and only then."""
+    names = ["a.cc", "b.cc"]
+
+    def fake(outcomes):
+        calls = []
+
+        def check(path):
+            calls.append(os.path.basename(path))
+            rc, err = outcomes[os.path.basename(path)]
+            return subprocess.CompletedProcess([path], rc, "", err)
+        return check, calls
+
+    check, calls = fake({"cuda-backend-together.cc": (0, "")})
+    got = together_then_alone(names, check, str(tmp_path))
+    assert calls == ["cuda-backend-together.cc"] and set(got) == set(names)
+    assert open(tmp_path / "cuda-backend-together.cc").read() == '#include "backend/a.cc"\n#include "backend/b.cc"\n'
+    for together in [(1, "b.cc:3: error: redefinition"), (0, "a.cc:9: warning: unused")]:
+        check, calls = fake({"cuda-backend-together.cc": together, "a.cc": (0, ""), "b.cc": (1, "b.cc:3: error")})
+        got = together_then_alone(names, check, str(tmp_path))
+        assert sorted(calls) == ["a.cc", "b.cc", "cuda-backend-together.cc"]
+        assert (got["a.cc"].returncode, got["b.cc"].returncode) == (0, 1)
 
 
 @pytest.mark.parametrize("name", BACKEND_SOURCES)
