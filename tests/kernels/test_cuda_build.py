@@ -64,7 +64,7 @@ def test_cuda_backend_sources_exist():
 def cuda_syntax_checks():
     """Every BACKEND_SOURCES file through g++ -fsyntax-only with PYCOMM_WITH_CUDA: name ->
     CompletedProcess, or a str saying why skipped. Most of each check is parsing torch's and
-    CUDA's headers (15-20 s a file here), so the files are first checked together as one
+    CUDA's headers, so the files are first checked together as one
     translation unit that includes each (about the time of one file); only when that fails
     or warns is each file checked alone, two at a time, so a failure names its file and a
     clash between two files' internal names does not fail them. (What one file alone would
@@ -177,16 +177,52 @@ def test_bad_build_knob_is_rejected():
     assert "PYCOMM_BUILD_CUDA must be auto, 0 or 1" in proc.stderr
 
 
+def _compiled(files):
+    """setup.py's sources with each generated unity unit (build/unity/*.cc) replaced by the
+    csrc/ files it includes."""
+    out = []
+    for f in files:
+        if f.startswith(os.path.join("build", "unity") + os.sep):
+            with open(os.path.join(ROOT, f)) as unit:
+                out += ["csrc/" + line.split('"')[1] for line in unit if line.startswith("#include")]
+        else:
+            out.append(f)
+    return out
+
+
 def test_cpu_build_leaves_out_cuda_sources():
-    code = ("import os, runpy, sys; os.environ['PYCOMM_BUILD_CUDA'] = '0'; "
+    """The CPU build's sources, with the unity build on (the default), off, and a bad value."""
+    code = ("import json, os, runpy, sys; os.environ['PYCOMM_BUILD_CUDA'] = '0'; "
             "import setuptools; setuptools.setup = lambda **kw: None; "
-            "g = runpy.run_path('setup.py'); print('\\n'.join(g['sources']()))")
+            "g = runpy.run_path('setup.py'); out = {}\n"
+            "for knob in ('1', '0', 'maybe'):\n"
+            "    os.environ['PYCOMM_UNITY_BUILD'] = knob\n"
+            "    try: out[knob] = g['sources']()\n"
+            "    except SystemExit as e: out[knob] = str(e)\n"
+            "print(json.dumps(out))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    files = proc.stdout.split()
-    assert "csrc/backend/process_group.cc" in files
-    assert not [f for f in files if f.endswith(".cu") or os.path.basename(f).startswith("cuda_")], files
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    backend = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "backend", "*.cc"))
+                     if not os.path.basename(p).startswith("cuda_"))
+    for knob in ("1", "0"):
+        files = _compiled(got[knob])
+        assert "csrc/backend/process_group.cc" in files
+        assert not [f for f in files if f.endswith(".cu") or os.path.basename(f).startswith("cuda_")], files
+        # every backend file once, the torch-free layers as files of their own
+        assert sorted(f for f in files if f.startswith("csrc/backend/")) == backend, files
+        assert len(files) == len(set(files))
+        assert "csrc/transport/tcp.cc" in got[knob] and "csrc/kernels/cpu/reduce.cc" in got[knob]
+    # unity: the pybind11 files in one unit, the rest in another; off: each file listed
+    assert sorted(got["1"][-2:]) == ["build/unity/backend_bindings.cc", "build/unity/backend_core.cc"], got["1"]
+    assert sorted(_compiled(["build/unity/backend_bindings.cc"])) == [
+        "csrc/backend/bindings.cc", "csrc/backend/kernel_bindings.cc"]
+    assert not [f for f in got["1"] if f.startswith("csrc/backend/")], got["1"]
+    assert [f for f in got["0"] if f.startswith("csrc/backend/")] == backend
+    assert got["maybe"] == "PYCOMM_UNITY_BUILD must be 0 or 1 (got 'maybe')"
 
 
 def test_cuda_available_agrees_with_build():
@@ -229,8 +265,9 @@ print(json.dumps({{"sources": e.sources, "macros": e.define_macros, "args": e.ex
 
     ext = json.loads(proc.stdout.strip().splitlines()[-1])
     sources = set(ext["sources"])
+    # the CUDA-only files compile alone, outside the backend's unity units
     assert {"csrc/kernels/cuda/reduce.cu", "csrc/kernels/cuda/topk.cu", "csrc/kernels/cuda/quantize.cu",
-            "csrc/backend/cuda_staging.cc", "csrc/backend/cuda_kernel_bindings.cc",
-            "csrc/backend/process_group.cc"} <= sources, sources
+            "csrc/backend/cuda_staging.cc", "csrc/backend/cuda_kernel_bindings.cc"} <= sources, sources
+    assert "csrc/backend/process_group.cc" in _compiled(ext["sources"])
     assert ["PYCOMM_WITH_CUDA", "1"] in ext["macros"]
     assert "nvcc" in ext["args"] and "cxx" in ext["args"]
