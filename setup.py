@@ -52,7 +52,7 @@ def want_cuda():
 WITH_CUDA = want_cuda()
 
 
-# csrc/backend/ is compiled as a few translation units that each #include a group of its
+# csrc/backend/ is compiled as two translation units that each #include a group of its
 # files (a "unity" build): every backend file includes torch's headers (ATen, c10d), whose
 # parsing is most of its compile, so two units cost much less than a dozen files
 # (benchmarks/results/suite_durations.md). The groups: the files that
