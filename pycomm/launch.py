@@ -3,17 +3,27 @@
 A *worker* is a module-level function ``worker(rank, world_size, init_method, payload)``.
 :func:`launch_workers` runs it on every rank and returns rank 0's result: under
 ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set) the calling process is one rank and joins
-through ``env://``; otherwise it spawns the ranks on this host, which rendezvous through a
+through ``env://``; otherwise it starts the ranks on this host, which rendezvous through a
 ``file://`` store in a directory only this user can read (no port to pick, so none to race
 for or to be read by other local users), and draws a job secret (``PYCOMM_SECRET``) for
 them unless one is set. pycomm never brings its own cluster manager: multi-machine runs go
 through torchrun.
+
+Local ranks are forks of a multiprocessing *fork server* that has imported torch and
+pycomm once (started on the first launch, kept for the next ones), not fresh interpreters
+that each import torch (about 2 s of CPU a rank). A rank gets what a spawned one would:
+the launching process's environment as it is at the call, its stdout and stderr, its
+``sys.path`` and working directory. Variables that act only when a library loads
+(``LD_*``, ``PYTHON*``, ``OMP_*``, ``KMP_*``, ``MKL_*``, ``GOMP_*``, ``TORCH_*``) are read
+by the server when it starts: a later launch whose values differ from those starts its
+ranks with spawn instead.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
 import secrets
@@ -57,9 +67,76 @@ def run_rank(rank: int, world_size: int, init_method: str, worker: Callable, pay
     return 0
 
 
+# What the fork server imports once, before it forks any rank.
+_PRELOAD = ["torch", "torch.distributed", "pycomm"]
+# Variables that act only when a library loads (the fork server's libraries loaded when it
+# started): ranks of a launch whose values differ from the server's are spawned.
+_LOAD_TIME_PREFIXES = ("LD_", "PYTHON", "OMP_", "KMP_", "MKL_", "GOMP_", "TORCH_")
+# The load-time variables the fork server started with (None: not started by a launch yet).
+_server_env: Optional[dict] = None
+
+
+def _load_time_env(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME_PREFIXES)}
+
+
+def _rank_context():
+    """The fork server's context, or spawn's where there is none or its load-time
+    variables are not this launch's."""
+    global _server_env
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    load_env = _load_time_env(os.environ)
+    if _server_env is None:
+        _server_env = load_env
+    elif load_env != _server_env:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts
+    return ctx
+
+
+class _ParentStreams:
+    """The launching process's stdout and stderr, for a forked rank, whose own are the fork
+    server's (those of whichever process started it, when it started). Pickled while the
+    rank starts: the two descriptors travel with it (multiprocessing's DupFd)."""
+
+    def __init__(self, handles=None):
+        self._handles = handles
+
+    def __reduce__(self):
+        handles = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:
+                handles.append(None)  # closed here: the rank keeps the server's
+            else:
+                handles.append(multiprocessing.reduction.DupFd(fd))
+        return (_ParentStreams, (handles,))
+
+    def attach(self) -> None:
+        """In the rank: make the parent's descriptors its stdout and stderr."""
+        for target, stream, handle in zip((1, 2), (sys.stdout, sys.stderr), self._handles or ()):
+            if handle is None:
+                continue
+            fd = handle.detach()
+            if stream is not None:
+                stream.flush()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
 def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
                  payload: Any, result_path: str, expected_errors: Tuple[str, ...],
-                 secret: Optional[str] = None) -> None:
+                 secret: Optional[str] = None, env: Optional[dict] = None,
+                 streams: Optional[_ParentStreams] = None) -> None:
+    if streams is not None:
+        streams.attach()
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     if secret is not None:
         os.environ["PYCOMM_SECRET"] = secret
     code = run_rank(rank, world_size, init_method, worker, payload, result_path, expected_errors)
@@ -73,12 +150,13 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
 
     Under torchrun (``RANK``/``WORLD_SIZE`` set), the calling process is one
     rank: ``worker`` runs here with ``init_method="env://"`` and its own
-    result is returned. Otherwise ``nprocs`` processes are spawned on this
-    host, rendezvous through a ``file://`` store in a private temporary directory
+    result is returned. Otherwise ``nprocs`` processes are started on this
+    host (forks of the fork server: the module's docstring), rendezvous through a
+    ``file://`` store in a private temporary directory
     (with a fresh ``PYCOMM_SECRET`` unless ``PYCOMM_SECRET`` or ``PYCOMM_SECRET_FILE``
     is set), and rank 0's return value (which must pickle) comes back. If a
     worker dies, the others are terminated and ``RuntimeError`` (its message
-    starting with ``prefix``) is raised. A spawned worker's ``RuntimeError`` or
+    starting with ``prefix``) is raised. A started worker's ``RuntimeError`` or
     ``ValueError`` whose message starts with one of ``expected_errors`` is printed
     as one line naming the rank, without a traceback. ``worker`` must be a
     module-level function.
@@ -88,7 +166,8 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
         rank, world_size = env
         return worker(rank, world_size, "env://", payload)
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
+    forked = ctx.get_start_method() == "forkserver"
     with tempfile.TemporaryDirectory(prefix="pycomm-launch-") as tmpdir:
         # mkdtemp makes the directory 0700: only this user reads the store (and the result).
         init_method = "file://" + os.path.join(tmpdir, "store")
@@ -100,7 +179,8 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
         for rank in range(nprocs):
             proc = ctx.Process(
                 target=_spawn_entry,
-                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors), secret),
+                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors), secret,
+                      dict(os.environ) if forked else None, _ParentStreams() if forked else None),
                 name=f"pycomm-rank{rank}",
                 daemon=True,
             )

@@ -64,7 +64,7 @@ from typing import Any, Callable
 import pytest
 
 __all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all",
-           "process_context", "in_environment"]
+           "process_context", "in_environment", "call_with_deadline"]
 
 # Default wall-clock limit for one spawned run (all ranks together).
 DEFAULT_RUN_TIMEOUT_S = 180.0
@@ -213,6 +213,39 @@ class _Receiver:
             return f"{len(self.buffer)} bytes of a message header arrived"
         (size,) = _HEADER.unpack_from(self.buffer)
         return f"{len(self.buffer) - _HEADER.size} of {size} bytes arrived"
+
+
+def call_with_deadline(fn: Callable, *args, timeout_s: float, **kwargs):
+    """``fn(*args, **kwargs)`` in this process under a hard deadline: a CLI's ``main`` run here
+    instead of in a fresh interpreter (which would import torch again). It runs on a thread;
+    what it returns or raises (SystemExit included) comes back. At the deadline the processes
+    it started (``multiprocessing`` children that were not alive before the call, such as the
+    ranks of pycomm.launch) are killed, and the test fails with the thread's stack."""
+    before = set(multiprocessing.active_children())
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: B036 - handed to the caller, SystemExit too
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"deadline:{getattr(fn, '__qualname__', fn)}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+        started = [proc for proc in multiprocessing.active_children() if proc not in before]
+        for proc in started:
+            proc.kill()
+        thread.join(10)
+        pytest.fail(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)} did not return in "
+                    f"{timeout_s} s; killed {len(started)} process(es) it started; its stack:\n{stack}",
+                    pytrace=False)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 def communicate_all(procs, timeout_s: float) -> list:

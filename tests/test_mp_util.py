@@ -133,3 +133,29 @@ def test_start_method_choice():
     assert _start_method(None, {"OMP_PROC_BIND"}, None) == "spawn"
     assert _start_method(None, set(), print) == "spawn"  # pre_init runs before torch is imported
     assert _start_method("forkserver", {"LD_PRELOAD"}, None) == "forkserver"  # asked for
+
+
+def _waits_on_a_child_that_sleeps():
+    import multiprocessing
+
+    child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(600,))
+    child.start()
+    child.join()
+    return child.exitcode
+
+
+def test_call_with_deadline_returns_raises_and_kills_what_it_started():
+    from mp_util import call_with_deadline
+
+    assert call_with_deadline(divmod, 7, 2, timeout_s=30) == (3, 1)
+    with pytest.raises(SystemExit) as exited:
+        call_with_deadline(sys.exit, 3, timeout_s=30)
+    assert exited.value.code == 3
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)did not return in 2 s; killed 1 process.*_waits_on_a_child"):
+        call_with_deadline(_waits_on_a_child_that_sleeps, timeout_s=2)
+    assert time.monotonic() - start < 20
+    assert set(multiprocessing.active_children()) == before  # the sleeping child is gone

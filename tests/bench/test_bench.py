@@ -1,8 +1,11 @@
 """Tests of the benchmark CLI (pycomm.bench) and the demo (pycomm.demo).
 
 Pure helpers (size parsing, bandwidth formulas, the closed-form check
-patterns) are tested in-process. The CLI and the demo run as subprocesses,
-each with a hard ``timeout=``: a hang fails the test instead of stalling it.
+patterns) are tested in-process. The CLI's sweeps run its ``main()`` in this process
+under a hard deadline (its ranks fork from pycomm.launch's fork server, so no
+interpreter imports torch again); one sweep, the usage error, the demo and the
+benchmark scripts run as subprocesses with a hard ``timeout=``. A hang fails the test
+instead of stalling it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,22 @@ def _run_module(module: str, args, cwd, timeout: float, extra_env=None) -> subpr
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"python -m {module} {' '.join(args)} hung for {timeout} s; output so far:\n"
                     f"{exc.stdout}\n{exc.stderr}", pytrace=False)
+
+
+def _run_cli(args, tmp_path, monkeypatch, capfd, extra_env=None) -> subprocess.CompletedProcess:
+    """``pycomm.bench``'s main() in this process, as ``python -m pycomm.bench`` would run it
+    (in ``tmp_path``, never under a leftover torchrun environment), under a deadline."""
+    from mp_util import call_with_deadline
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (extra_env or {}).items():
+        monkeypatch.setenv(name, value)
+    capfd.readouterr()
+    code = call_with_deadline(cli.main, list(args), timeout_s=_CLI_TIMEOUT_S)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["pycomm.bench", *args], code, out, err)
 
 
 def _describe(proc: subprocess.CompletedProcess) -> str:
@@ -344,14 +363,14 @@ def test_cli_pycomm_vs_gloo(tmp_path):
     assert f"# plot: {plot}" in proc.stdout
 
 
-def test_cli_compressed_columns(tmp_path):
+def test_cli_compressed_columns(tmp_path, monkeypatch, capfd):
     """--algos topk1%,quant8: a DDP hook's exchange of one bucket per call, timed beside
     the dense algorithms; lossy, so its check is SKIP while the dense columns are
     checked; the result is the average of the ranks' buffers, to the codec's error."""
     out = tmp_path / "out.json"
     args = ["-n", "2", "-b", "64K", "-e", "1M", "-f", "16", "--iters", "3", "--warmup", "1",
             "--algos", "ring,topk1%,quant8", "--peer", "none", "--json", str(out)]
-    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    proc = _run_cli(args, tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     assert meta["algos"] == ["ring", "topk1%", "quant8"]
@@ -397,13 +416,13 @@ def test_compressed_runner_averages():
 
 
 @requires_backend
-def test_cli_tcp_reference_line(tmp_path):
+def test_cli_tcp_reference_line(tmp_path, monkeypatch, capfd):
     """--tcp-reference: raw TCP between the same ranks in the ring's pattern, measured in
     the same run, printed as the reference for busbw and kept in the JSON."""
     out = tmp_path / "out.json"
     args = ["-n", "2", "-b", "64K", "-e", "256K", "-f", "4", "--iters", "2", "--warmup", "1",
             "--algos", "ring", "--peer", "none", "--tcp-reference", "--json", str(out)]
-    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    proc = _run_cli(args, tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     meta, _ = _load_rows(out)
     rates = meta["tcp_ring_rates"]
@@ -413,20 +432,20 @@ def test_cli_tcp_reference_line(tmp_path):
     assert "% of raw TCP" in proc.stdout, proc.stdout
     # Off by default on the default transport: no reference, nothing printed.
     out2 = tmp_path / "out2.json"
-    proc = _run_module("pycomm.bench", args[:-3] + ["--json", str(out2)], tmp_path, timeout=_CLI_TIMEOUT_S)
+    proc = _run_cli(args[:-3] + ["--json", str(out2)], tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     assert _load_rows(out2)[0]["tcp_ring_gbps"] is None and "raw TCP" not in proc.stdout
 
 
 @requires_backend
-def test_cli_tcp_reference_uses_the_groups_streams(tmp_path):
+def test_cli_tcp_reference_uses_the_groups_streams(tmp_path, monkeypatch, capfd):
     """#16 item 1: the reference runs over as many streams per peer and I/O threads as
     the pycomm group (PYCOMM_SOCKETS_PER_PEER / PYCOMM_IO_THREADS), not one stream."""
     out = tmp_path / "out.json"
     args = ["-n", "2", "-b", "64K", "-e", "64K", "--iters", "2", "--warmup", "1",
             "--algos", "ring", "--peer", "none", "--tcp-reference", "--json", str(out)]
-    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S,
-                       extra_env={"PYCOMM_SOCKETS_PER_PEER": "3", "PYCOMM_IO_THREADS": "2"})
+    proc = _run_cli(args, tmp_path, monkeypatch, capfd,
+                    extra_env={"PYCOMM_SOCKETS_PER_PEER": "3", "PYCOMM_IO_THREADS": "2"})
     assert proc.returncode == 0, _describe(proc)
     meta, _ = _load_rows(out)
     assert meta["tcp_ring_streams"] == [3, 2] and meta["tcp_streams"] == [3, 2], meta
@@ -588,12 +607,12 @@ def test_mpi_script_under_mpirun(tmp_path):
 
 
 @requires_backend
-def test_cli_auto_int32_max(tmp_path):
+def test_cli_auto_int32_max(tmp_path, monkeypatch, capfd):
     out = tmp_path / "auto.json"
     args = ["-n", "2", "-b", "1K", "-e", "1M", "-f", "32", "--iters", "2", "--warmup", "0",
             "--algos", "auto,ring", "--dtype", "int32", "--op", "max", "--json", str(out),
             "--timing", "shm-barrier"]
-    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    proc = _run_cli(args, tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     meta, rows = _load_rows(out)
     assert meta["timing"] == "shm-barrier" and "benchmark's own shared-memory barrier" in proc.stdout
@@ -606,12 +625,12 @@ def test_cli_auto_int32_max(tmp_path):
     assert all(row["check"] == "OK" for row in rows), rows
 
 
-def test_cli_harness_on_gloo(tmp_path):
+def test_cli_harness_on_gloo(tmp_path, monkeypatch, capfd):
     """The harness itself, with gloo as the backend under test (independent of pycomm's core)."""
     out = tmp_path / "gloo.json"
     args = ["-n", "2", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--warmup", "1",
             "--backend", "gloo", "--json", str(out)]
-    proc = _run_module("pycomm.bench", args, tmp_path, timeout=_CLI_TIMEOUT_S)
+    proc = _run_cli(args, tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     _, rows = _load_rows(out)
     _assert_sweep(rows, ["gloo"], [8, 64, 512, 4096, 32768, 65536], "peer:gloo")

@@ -345,31 +345,7 @@ def test_cli_predicts_without_a_calibration(tmp_path):
 
 
 @pytest.mark.slow
-class _ForkedLaunch:
-    """Stands in for pycomm.launch's ``multiprocessing``: its ranks come from mp_util's fork
-    server (torch loaded) instead of a fresh interpreter each. calibrate() launches 2 ranks
-    a dozen times; what it measures and fits is the same either way."""
-
-    def __init__(self, ctx):
-        import multiprocessing.connection
-
-        self._ctx = ctx
-        self.connection = multiprocessing.connection
-
-    def get_context(self, method):
-        return self._ctx
-
-
-@pytest.fixture
-def forked_launch(monkeypatch):
-    import mp_util
-    import pycomm.launch
-
-    if mp_util.START_METHOD == "forkserver":
-        monkeypatch.setattr(pycomm.launch, "multiprocessing", _ForkedLaunch(mp_util.process_context()))
-
-
-def test_calibrate_and_cache(tmp_path, forked_launch):
+def test_calibrate_and_cache(tmp_path):
     calibration = plan.calibrate(max_bytes=1 << 18, iters=3, verbose=False)
     m = calibration["model"]
     assert all(m[name] > 0 for name in ("alpha", "cpu_beta", "gamma", "shm_alpha", "shm_beta")), m
