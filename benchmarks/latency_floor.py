@@ -114,13 +114,13 @@ def _mpi_time_us(ranks: int, iters: int, warmup: int) -> float:
             return json.load(f)["rows"][0]["time_us"]
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--iters", type=int, default=2000, help="samples of each kind")
     parser.add_argument("--warmup", type=int, default=200, help="untimed samples of each kind first")
     parser.add_argument("--no-mpi", action="store_true", help="skip the Open MPI sweep")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sys.path.append(REPO)  # after PYTHONPATH: another build can be measured by putting it there
     if args.ranks < 2:
         parser.error("--ranks must be >= 2")

@@ -117,6 +117,8 @@ SLOW_TESTS = frozenset({
     "test_hooks::test_hooks_on_gloo", "test_kernels::test_cuda_kernels_compile_with_nvcc",
     "test_kernels::test_cpu_kernels_build_without_torch", "test_train_async::test_cli_runs_both",
     "test_sparse_allreduce::test_sparse_shape_mismatch_fails_naming_ranks", "test_shm::test_arena_that_cannot_be_made",
+    "test_launch_local::test_a_changed_load_time_variable_spawns_the_ranks",
+    "test_launch_local::test_without_a_fork_server_ranks_are_spawned",
 })
 
 

@@ -64,7 +64,7 @@ from typing import Any, Callable
 import pytest
 
 __all__ = ["WorkerContext", "RunResult", "spawn_run", "run_multiprocess", "free_port", "communicate_all",
-           "process_context", "in_environment", "call_with_deadline"]
+           "process_context", "in_environment", "call_with_deadline", "run_main_here"]
 
 # Default wall-clock limit for one spawned run (all ranks together).
 DEFAULT_RUN_TIMEOUT_S = 180.0
@@ -246,6 +246,32 @@ def call_with_deadline(fn: Callable, *args, timeout_s: float, **kwargs):
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
+
+
+# What a launcher leaves in the environment that would make a command-line tool join it
+# (pycomm.launch's torchrun mode) instead of starting ranks of its own.
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_main_here(main: Callable, args, *, cwd, monkeypatch, capfd, timeout_s: float,
+                  env=None, name: str = "main") -> subprocess.CompletedProcess:
+    """A command-line tool's ``main(args)`` in this process, as ``python -m tool ARGS`` run in
+    ``cwd`` would run it: never under a leftover torchrun environment, ``env`` added, under
+    call_with_deadline. Its exit code (a returned int, or SystemExit's), and the stdout and
+    stderr of this process and of the processes it starts (capfd), come back as a
+    CompletedProcess."""
+    monkeypatch.chdir(cwd)
+    for var in _TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in (env or {}).items():
+        monkeypatch.setenv(var, value)
+    capfd.readouterr()
+    try:
+        code = call_with_deadline(main, list(args), timeout_s=timeout_s)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([name, *args], code, out, err)
 
 
 def communicate_all(procs, timeout_s: float) -> list:

@@ -1,11 +1,11 @@
 """Tests of the benchmark CLI (pycomm.bench) and the demo (pycomm.demo).
 
 Pure helpers (size parsing, bandwidth formulas, the closed-form check
-patterns) are tested in-process. The CLI's sweeps run its ``main()`` in this process
-under a hard deadline (its ranks fork from pycomm.launch's fork server, so no
-interpreter imports torch again); one sweep, the usage error, the demo and the
-benchmark scripts run as subprocesses with a hard ``timeout=``. A hang fails the test
-instead of stalling it.
+patterns) are tested in-process. The CLI's sweeps and the benchmark scripts run their
+``main()`` in this process under a hard deadline (mp_util.run_main_here: the CLI's ranks
+fork from pycomm.launch's fork server, so no interpreter imports torch again); one
+sweep, a usage error of the CLI and of a script, and the demo run as subprocesses with a
+hard ``timeout=``. A hang fails the test instead of stalling it.
 """
 
 from __future__ import annotations
@@ -57,19 +57,11 @@ def _run_module(module: str, args, cwd, timeout: float, extra_env=None) -> subpr
 
 
 def _run_cli(args, tmp_path, monkeypatch, capfd, extra_env=None) -> subprocess.CompletedProcess:
-    """``pycomm.bench``'s main() in this process, as ``python -m pycomm.bench`` would run it
-    (in ``tmp_path``, never under a leftover torchrun environment), under a deadline."""
-    from mp_util import call_with_deadline
+    """``python -m pycomm.bench ARGS``'s main() in this process (mp_util.run_main_here)."""
+    from mp_util import run_main_here
 
-    monkeypatch.chdir(tmp_path)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in (extra_env or {}).items():
-        monkeypatch.setenv(name, value)
-    capfd.readouterr()
-    code = call_with_deadline(cli.main, list(args), timeout_s=_CLI_TIMEOUT_S)
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(["pycomm.bench", *args], code, out, err)
+    return run_main_here(cli.main, args, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd,
+                         timeout_s=_CLI_TIMEOUT_S, env=extra_env, name="pycomm.bench")
 
 
 def _describe(proc: subprocess.CompletedProcess) -> str:
@@ -646,35 +638,44 @@ def test_demo(tmp_path):
     assert "# check: OK" in proc.stdout, _describe(proc)
 
 
+def _run_script(name, args, tmp_path, monkeypatch, capfd) -> subprocess.CompletedProcess:
+    """``python benchmarks/<name>.py ARGS``'s main() in this process (mp_util.run_main_here);
+    the script's own ranks are spawned, as they are for a user."""
+    from mp_util import run_main_here
+
+    monkeypatch.syspath_prepend(os.path.join(_PACKAGE_ROOT, "benchmarks"))  # the ranks import it too
+    return run_main_here(__import__(name).main, args, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd,
+                         timeout_s=_CLI_TIMEOUT_S, name=f"benchmarks/{name}.py")
+
+
 @requires_backend
-def test_call_cost_script_reports_every_rank(tmp_path):
+def test_call_cost_script_reports_every_rank(tmp_path, monkeypatch, capfd):
     """benchmarks/call_cost.py: one line per rank with the call's CPU, faults and the
     bytes that arrived before their receive."""
-    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "call_cost.py")
-    proc = subprocess.run([sys.executable, script, "--algo", "sharded", "--mib", "1", "--ranks", "2", "--iters", "2"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    proc = _run_script("call_cost", ["--algo", "sharded", "--mib", "1", "--ranks", "2", "--iters", "2"],
+                       tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], proc.stdout
     assert all("arrived before their receive" in line and "sys" in line for line in lines), proc.stdout
+    # As documented, through python (a usage error: the script imports torch only after it).
+    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "call_cost.py")
     bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr
     # Ranks that fail (here: an algorithm that does not exist) end the script at once,
     # rather than leaving it waiting 300 s for their reports.
     start = time.monotonic()
-    failed = subprocess.run([sys.executable, script, "--algo", "nosuch", "--mib", "1", "--iters", "1"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    failed = _run_script("call_cost", ["--algo", "nosuch", "--mib", "1", "--iters", "1"], tmp_path, monkeypatch, capfd)
     assert failed.returncode == 1 and "exited before reporting" in failed.stderr, _describe(failed)
     assert "PYCOMM_ALGO='nosuch'" in failed.stderr and time.monotonic() - start < 60, _describe(failed)
 
 
 @requires_backend
-def test_latency_floor_script_prints_each_kind(tmp_path):
+def test_latency_floor_script_prints_each_kind(tmp_path, monkeypatch, capfd):
     """benchmarks/latency_floor.py: the torch op, pycomm's group of one, the all-reduce
     (whose result it checks) and the floor of twice the group of one, as documented."""
-    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "latency_floor.py")
-    proc = subprocess.run([sys.executable, script, "--ranks", "2", "--iters", "20", "--warmup", "5", "--no-mpi"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    proc = _run_script("latency_floor", ["--ranks", "2", "--iters", "20", "--warmup", "5", "--no-mpi"],
+                       tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     figures = {}
     for line in proc.stdout.splitlines():
@@ -686,18 +687,17 @@ def test_latency_floor_script_prints_each_kind(tmp_path):
     assert figures["floor (2 x group of one)"] == pytest.approx(2 * figures["pycomm group of one"], abs=0.11)
     assert all(v > 0 for v in figures.values()), proc.stdout
     assert "# Open MPI: skipped (--no-mpi)" in proc.stdout, proc.stdout
-    bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr
+    bad = _run_script("latency_floor", ["--ranks", "1"], tmp_path, monkeypatch, capfd)
+    assert bad.returncode == 2 and "--ranks must be >= 2" in bad.stderr, _describe(bad)
 
 
 @requires_backend
-def test_call_cost_threads_names_pycomm_threads(tmp_path):
+def test_call_cost_threads_names_pycomm_threads(tmp_path, monkeypatch, capfd):
     """call_cost.py --threads: each rank's CPU per call by thread name, where the TCP
     transport's I/O thread shows under the name pycomm gives it (pycomm-io0) and the
     caller's thread, which runs a blocking all-reduce, shows too."""
-    script = os.path.join(_PACKAGE_ROOT, "benchmarks", "call_cost.py")
-    proc = subprocess.run([sys.executable, script, "--algo", "ring", "--mib", "4", "--ranks", "2", "--iters", "3",
-                           "--threads"], cwd=tmp_path, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S)
+    proc = _run_script("call_cost", ["--algo", "ring", "--mib", "4", "--ranks", "2", "--iters", "3", "--threads"],
+                       tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     lines = [line for line in proc.stdout.splitlines() if " threads: " in line]
     assert [line.split(" threads:")[0] for line in lines] == ["rank 0", "rank 1"], proc.stdout

@@ -328,19 +328,25 @@ def test_calibration_keeps_each_sizes_median_over_rounds():
     assert plan.calibration.CALIBRATION_ROUNDS >= 3
 
 
-def test_cli_predicts_without_a_calibration(tmp_path):
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pycomm.plan", "--hosts", "2", "--ranks-per-host", "2",
-                           "--bandwidth", "1gbit", "--latency", "50us", "--extrapolate"],
-                          capture_output=True, text=True, timeout=120, env=env)
+def test_cli_predicts_without_a_calibration(tmp_path, monkeypatch, capfd):
+    # `python -m pycomm.plan ARGS`, its main() in this process (mp_util.run_main_here)
+    from mp_util import run_main_here
+
+    from pycomm.plan import cli
+
+    def plan_cli(*args):
+        return run_main_here(cli.main, args, cwd=tmp_path, monkeypatch=monkeypatch, capfd=capfd, timeout_s=120,
+                             env={"XDG_CACHE_HOME": str(tmp_path)}, name="pycomm.plan")
+
+    proc = plan_cli("--hosts", "2", "--ranks-per-host", "2", "--bandwidth", "1gbit", "--latency", "50us",
+                    "--extrapolate")
     assert proc.returncode == 0, proc.stderr
     assert "built-in constants" in proc.stdout and "4 ranks" in proc.stdout
     assert "link speed below which" in proc.stdout and "4096 ranks (512 hosts)" in proc.stdout
     # The TCP stream model: uncalibrated, one stream (per-stream throughput unknown).
     assert "TCP streams: per-stream throughput not measured" in proc.stdout, proc.stdout
     assert "auto: PYCOMM_SOCKETS_PER_PEER=1, PYCOMM_IO_THREADS=1" in proc.stdout, proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "pycomm.plan", "--model", str(tmp_path / "none.json"),
-                           "--hosts", "0"], capture_output=True, text=True, timeout=120, env=env)
+    proc = plan_cli("--model", str(tmp_path / "none.json"), "--hosts", "0")
     assert proc.returncode == 1 and "hosts and ranks per host must be >= 1" in proc.stderr
 
 

@@ -276,28 +276,23 @@ def test_async_ps_early_finisher_outlives_the_timeout():
     assert results[2]["updates"] == 52 and results[2]["max"] <= 1
 
 
-def test_cli_runs_both(tmp_path):
-    """pycomm-train end to end: the summary lines and the JSON-lines records of both strategies."""
+def test_cli_runs_both(tmp_path, monkeypatch, capfd):
+    """pycomm-train end to end: the summary lines and the JSON-lines records of both strategies.
+    Its main() runs here (mp_util.run_main_here); the ranks fork from pycomm.launch's server."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.environ.get("PYTHONPATH")])))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(name, None)
+    from mp_util import run_main_here
+
+    from pycomm.train import cli
+
     runs = {
         "ps": ["-n", "3", "--strategy", "async_ps", "--max-staleness", "1", "--steps", "20"],
         "cocoa": ["-n", "2", "--task", "digits-logreg", "--strategy", "cocoa", "--steps", "8"],
     }
     for name, args in runs.items():
         log = tmp_path / f"{name}.jsonl"
-        try:
-            proc = subprocess.run([sys.executable, "-m", "pycomm.train", *args, "--no-progress", "--log-file", str(log)],
-                                  cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired as exc:
-            pytest.fail(f"pycomm-train {' '.join(args)} hung:\n{exc.stdout}\n{exc.stderr}", pytrace=False)
+        proc = run_main_here(cli.main, [*args, "--no-progress", "--log-file", str(log)], cwd=tmp_path,
+                             monkeypatch=monkeypatch, capfd=capfd, timeout_s=120, name="pycomm.train")
         assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
         records = [json.loads(line) for line in log.read_text().splitlines()]
         steps = [r for r in records if r["event"] == "step"]

@@ -40,12 +40,23 @@ def _torchrun(extra, train_args, cwd):
                  "-m", "pycomm.train", *train_args], cwd)
 
 
+def _main_here(args, cwd, monkeypatch, capfd):
+    """``python -m pycomm.train ARGS`` outside torchrun, its main() in this process
+    (mp_util.run_main_here): no interpreter to start for a plot or a usage error."""
+    from mp_util import run_main_here
+
+    from pycomm.train import cli
+
+    return run_main_here(cli.main, args, cwd=cwd, monkeypatch=monkeypatch, capfd=capfd, timeout_s=_TIMEOUT_S,
+                         name="pycomm.train")
+
+
 def _describe(proc):
     return f"exit {proc.returncode}\n--- stdout:\n{proc.stdout[-4000:]}\n--- stderr:\n{proc.stderr[-4000:]}"
 
 
 @pytest.mark.slow
-def test_torchrun_yaml_log_and_plot(tmp_path):
+def test_torchrun_yaml_log_and_plot(tmp_path, monkeypatch, capfd):
     (tmp_path / "run.yaml").write_text(
         "task: digits-mlp\nstrategy: local_sgd\nlocal_sgd_period: 2\nlocal_sgd_warmup: 4\n"
         "steps: 30\nbatch_size: 16\naccum_steps: 2\nprecision: bf16\nclip_grad_norm: 5.0\n"
@@ -68,7 +79,7 @@ def test_torchrun_yaml_log_and_plot(tmp_path):
     assert [r["step"] for r in events["eval"]] == [10, 20, 30]
     assert events["end"][0]["test_accuracy"] > 0.8
 
-    proc = _run(["-m", "pycomm.train", "plot", "logs/run.jsonl", "-o", "plot.png"], tmp_path)
+    proc = _main_here(["plot", "logs/run.jsonl", "-o", "plot.png"], tmp_path, monkeypatch, capfd)
     assert proc.returncode == 0, _describe(proc)
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -90,7 +101,7 @@ def test_torchrun_restart_resumes_from_checkpoint(tmp_path):
     assert "on 2 ranks: 24 steps" in proc.stdout, _describe(proc)
 
 
-def test_cli_spawn_usage_error(tmp_path):
-    proc = _run(["-m", "pycomm.train", "--strategy", "async"], tmp_path, timeout=60)
+def test_cli_spawn_usage_error(tmp_path, monkeypatch, capfd):
+    proc = _main_here(["--strategy", "async"], tmp_path, monkeypatch, capfd)
     assert proc.returncode == 2, _describe(proc)
     assert "pycomm train: strategy must be one of sync, local_sgd, easgd" in proc.stderr
