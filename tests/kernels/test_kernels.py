@@ -610,8 +610,10 @@ def test_cpu_kernels_build_without_torch(tmp_path):
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no g++ on PATH")
-    for name in ("topk.cc", "quantize.cc", "reduce.cc", "cpu_isa.cc"):
-        src = os.path.join(ROOT, "csrc", "kernels", "cpu", name)
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "cpu", "*.cc")))
+    names = {os.path.basename(s) for s in sources}
+    assert {"topk.cc", "quantize.cc", "reduce.cc", "reduce_avx2.cc", "reduce_avx512.cc", "cpu_isa.cc"} <= names
+    for src in sources:
         # kept per content of the source and its headers and g++'s version (cpp_build.cached_check)
         proc = cpp_build.cached_check([cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
                                        "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull],
