@@ -159,3 +159,48 @@ def test_call_with_deadline_returns_raises_and_kills_what_it_started():
         call_with_deadline(_waits_on_a_child_that_sleeps, timeout_s=2)
     assert time.monotonic() - start < 20
     assert set(multiprocessing.active_children()) == before  # the sleeping child is gone
+
+
+def _result(errors=None, progress=None, returns=None, reports=None, world_size=2):
+    from mp_util import RunResult
+
+    return RunResult(world_size, "pycomm", returns or {}, errors or {}, reports or {}, progress or {}, [], {},
+                     1.0, 60.0)
+
+
+_GLOO = ("Traceback ...\nRuntimeError: Gloo connectFullMesh failed with [.../pair.cc:553] "
+         "Connection closed by peer [127.0.0.1]:18595.")
+
+
+def test_only_a_gloo_handshake_failure_before_the_function_is_run_again():
+    """spawn_run repeats a run only when gloo's handshake failed in the harness's set-up
+    and no rank got as far as the test's function."""
+    from mp_util import _CALLING, gloo_setup_failed
+
+    ref = "new_group(backend='gloo')"
+    assert gloo_setup_failed(_result({0: _GLOO}, {0: ref, 1: ref}))
+    assert gloo_setup_failed(_result({0: _GLOO, 1: _GLOO}, {0: ref, 1: ref}))
+    assert gloo_setup_failed(_result({1: _GLOO}, {0: "init_process_group('pycomm', file)", 1: ref}))
+    # a rank that called the function, returned, reported or failed otherwise: the run stands
+    assert not gloo_setup_failed(_result({0: _GLOO}, {0: ref, 1: _CALLING}))
+    assert not gloo_setup_failed(_result({0: _GLOO}, {0: ref, 1: "a note of the test's own"}))
+    assert not gloo_setup_failed(_result({0: _GLOO}, {0: ref, 1: ref}, returns={1: 5}))
+    assert not gloo_setup_failed(_result({0: _GLOO}, {0: ref, 1: ref}, reports={1: {"a": 1}}))
+    assert not gloo_setup_failed(_result({0: _GLOO, 1: "RuntimeError: something else"}, {0: ref, 1: ref}))
+    assert not gloo_setup_failed(_result({}, {0: ref, 1: ref}))
+
+
+def _raise_in_the_function(ctx):
+    raise RuntimeError(f"rank {ctx.rank} fails in the test's function")
+
+
+def test_a_failure_in_the_function_is_reported_there_and_not_run_again():
+    """The last note before the test's function is the call: a rank that fails (or hangs)
+    there is reported there, not in the harness's set-up, and the run is not repeated."""
+    from mp_util import _CALLING, POOL_STATS, gloo_setup_failed, spawn_run
+
+    retries = POOL_STATS["setup_retries"]
+    res = spawn_run(_raise_in_the_function, 2, timeout_s=60)
+    assert res.progress == {0: _CALLING, 1: _CALLING}, res.progress
+    assert "rank 1 fails in the test's function" in res.errors[1] and not gloo_setup_failed(res)
+    assert POOL_STATS["setup_retries"] == retries
