@@ -488,7 +488,7 @@ def spawn_run(fn: Callable, world_size: int, **kwargs) -> RunResult:
     the test on any error, crash or hang. The keyword arguments: _spawn_run_once's.
 
     A run whose harness set-up failed in gloo's handshake (the ``ref`` group's
-    "connectFullMesh failed ... Connection closed by peer", about one suite run in eight on
+    "connectFullMesh failed ... Connection closed by peer", about one suite run in four to eight on
     2 loaded cores, cause not found: benchmarks/results/suite_durations.md) before any rank
     called ``fn`` is run once more on fresh ranks; it is said on stderr and counted in the
     suite's pool line ("set-up retries")."""
