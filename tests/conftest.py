@@ -236,15 +236,13 @@ def pytest_terminal_summary(terminalreporter):
     """How the multi-process runs used tests/mp_util.py's pool of ranks (when any did),
     summed over the xdist workers."""
     mp_util = sys.modules.get("mp_util")
-    stats = {"runs": 0, "reused": 0, "retired": {}, "setup_retries": 0}
+    stats = {"runs": 0, "reused": 0, "retired": {}}
     for part in _WORKER_POOL_STATS + ([mp_util.POOL_STATS] if mp_util else []):
         stats["runs"] += part["runs"]
         stats["reused"] += part["reused"]
-        stats["setup_retries"] += part.get("setup_retries", 0)
         for why, count in part["retired"].items():
             stats["retired"][why] = stats["retired"].get(why, 0) + count
-    if not stats["runs"] and not stats["setup_retries"]:
+    if not stats["runs"]:
         return
     terminalreporter.write_line(f"mp_util pool: {stats['runs']} runs on pooled ranks, {stats['reused']} of them on "
-                                f"ranks that had run one before; sets ended after a run: {stats['retired']}; "
-                                f"set-up retries (gloo's handshake): {stats['setup_retries']}")
+                                f"ranks that had run one before; sets ended after a run: {stats['retired']}")

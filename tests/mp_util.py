@@ -418,6 +418,8 @@ def _run_case(q, rank, world_size, backend, fn, args, tmpdir, init, port, pg_tim
         if make_ref:
             q.put(("progress", rank, "new_group(backend='gloo')"))
             ref = dist.new_group(backend="gloo")
+        q.put(("progress", rank, _SETUP_BARRIER))
+        _set_up_barrier(dist, rank, world_size, pg_timeout_s)
         ctx = WorkerContext(rank, world_size, backend, ref, tmpdir, pg_timeout_s, q)
         q.put(("progress", rank, _CALLING))
         result = fn(ctx, *args)
@@ -432,6 +434,17 @@ def _run_case(q, rank, world_size, backend, fn, args, tmpdir, init, port, pg_tim
             dist.destroy_process_group()
     except BaseException:
         q.put(("error", rank, "destroy_process_group() failed:\n" + traceback.format_exc()))
+
+
+def _set_up_barrier(dist, rank, world_size, timeout_s) -> None:
+    """Every rank waits here, on the run's store, until all have finished the set-up. A
+    group's constructor returning on one rank does not mean it returned on the others:
+    without this, a rank whose function returns (and tears down) or exits at once closes
+    its connections while a slower peer is still in gloo's handshake, and that peer's
+    set-up fails with "Connection closed by peer"."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"mp_util/set-up done/{rank}", b"1")
+    store.wait([f"mp_util/set-up done/{r}" for r in range(world_size)], datetime.timedelta(seconds=timeout_s))
 
 
 @dataclasses.dataclass
@@ -481,44 +494,12 @@ class RunResult:
         return self
 
 
-def spawn_run(fn: Callable, world_size: int, **kwargs) -> RunResult:
-    """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
-    longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
-    (partial on failure); use ``.check()`` or ``run_multiprocess`` to fail
-    the test on any error, crash or hang. The keyword arguments: _spawn_run_once's.
-
-    A run whose harness set-up failed in gloo's handshake (the ``ref`` group's
-    "connectFullMesh failed ... Connection closed by peer", about one suite run in four to eight on
-    2 loaded cores, cause not found: benchmarks/results/suite_durations.md) before any rank
-    called ``fn`` is run once more on fresh ranks; it is said on stderr and counted in the
-    suite's pool line ("set-up retries")."""
-    result = _spawn_run_once(fn, world_size, **kwargs)
-    if gloo_setup_failed(result):
-        POOL_STATS["setup_retries"] += 1
-        first = result.failure_message().splitlines()
-        print(f"mp_util: {getattr(fn, '__name__', fn)}: the harness's gloo group failed to connect before "
-              f"any rank ran the function ({first[-1][:200]}); running it once more on fresh ranks",
-              file=sys.stderr, flush=True)
-        result = _spawn_run_once(fn, world_size, **kwargs, _fresh=True)
-    return result
-
-
-# Progress notes of _run_case's set-up (before fn), and the one right before fn.
-_SETUP_NOTES = ("init_process_group(", "new_group(backend='gloo')")
+# The progress note of _run_case's barrier after its set-up, and the one right before fn.
+_SETUP_BARRIER = "waiting for every rank's set-up"
 _CALLING = "calling the test's function"
 
 
-def gloo_setup_failed(result: "RunResult") -> bool:
-    """Did every rank stop in the harness's set-up, with gloo's handshake failing on at
-    least one, and no other error? (No rank called fn, returned or reported.)"""
-    if result.ok or result.returns or result.reports or not result.errors:
-        return False
-    if not all("Gloo connectFullMesh failed" in text for text in result.errors.values()):
-        return False
-    return all(note is None or note.startswith(_SETUP_NOTES) for note in result.progress.values())
-
-
-def _spawn_run_once(
+def spawn_run(
     fn: Callable,
     world_size: int,
     *,
@@ -535,9 +516,11 @@ def _spawn_run_once(
     pre_init: Callable | None = None,
     exit_timeout_s: float = 10.0,
     start_method: str | None = None,
-    _fresh: bool = False,
 ) -> RunResult:
-    """One run of spawn_run (``_fresh``: never on pooled ranks).
+    """Run ``fn(ctx, *args)`` on ``world_size`` spawned ranks; never hangs
+    longer than ``timeout_s`` (+ a few seconds to kill). Returns a RunResult
+    (partial on failure); use ``.check()`` or ``run_multiprocess`` to fail
+    the test on any error, crash or hang.
 
     Multi-host runs (see netns_util.py): ``netns[rank]`` names the network
     namespace rank ``rank`` enters first thing (None: stay); ``master_addr``
@@ -559,7 +542,7 @@ def _spawn_run_once(
                  for rank in range(world_size)]
     start = time.monotonic()
     ranks = case = None
-    if POOL and method == "forkserver" and not any(netns or ()) and not _fresh:
+    if POOL and method == "forkserver" and not any(netns or ()):
         try:
             case = pickle.dumps((fn, args))
         except Exception:  # noqa: BLE001  (what only multiprocessing's pickler takes: fresh ranks)
@@ -738,7 +721,7 @@ _THREAD_SETTLE_S = 2.0
 _idle: "dict[int, _RankSet]" = {}  # world size -> idle set, least recently used first
 # Runs on pooled ranks, how many of them on ranks that had run a case before, and why sets
 # were ended after a run (reported at the end of the session, tests/conftest.py).
-POOL_STATS = {"runs": 0, "reused": 0, "retired": {}, "setup_retries": 0}
+POOL_STATS = {"runs": 0, "reused": 0, "retired": {}}
 
 
 def _lease(key) -> "_RankSet":
