@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["launch_workers", "torchrun_env"]
+__all__ = ["launch_workers", "start_ranks", "torchrun_env"]
 
 
 def torchrun_env() -> Optional[Tuple[int, int]]:
@@ -80,13 +80,13 @@ def _load_time_env(env) -> dict:
     return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME_PREFIXES)}
 
 
-def _rank_context():
+def _rank_context(env):
     """The fork server's context, or spawn's where there is none or its load-time
-    variables are not this launch's."""
+    variables are not those of ``env`` (the ranks' environment)."""
     global _server_env
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
-    load_env = _load_time_env(os.environ)
+    load_env = _load_time_env(env)
     if _server_env is None:
         _server_env = load_env
     elif load_env != _server_env:
@@ -131,7 +131,15 @@ class _ParentStreams:
 def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
                  payload: Any, result_path: str, expected_errors: Tuple[str, ...],
                  secret: Optional[str] = None, env: Optional[dict] = None,
-                 streams: Optional[_ParentStreams] = None) -> None:
+                 streams: Optional[_ParentStreams] = None, netns: Optional[str] = None) -> None:
+    if netns is not None:
+        # First, before the rank starts a thread: threads inherit the namespace of the
+        # thread that starts them. A session of its own: a terminal's Ctrl-C reaches the
+        # launching process, which stops the ranks and removes the namespaces.
+        from .netns import enter_netns
+
+        enter_netns(netns)
+        os.setsid()
     if streams is not None:
         streams.attach()
     if env is not None:
@@ -142,6 +150,40 @@ def _spawn_entry(rank: int, world_size: int, init_method: str, worker: Callable,
     code = run_rank(rank, world_size, init_method, worker, payload, result_path, expected_errors)
     if code:
         sys.exit(code)
+
+
+def start_ranks(worker: Callable, nprocs: int, payload: Any, init_method: str, result_path: str,
+                expected_errors: Sequence[str] = (), *, secret: Optional[str] = None, env: Optional[dict] = None,
+                netns: Optional[Sequence[str]] = None) -> list:
+    """Start ``nprocs`` ranks of ``worker`` (:func:`run_rank`) on this host, forks of the fork
+    server (the module's docstring) or spawned; returns their ``multiprocessing.Process``
+    objects (daemons), for the caller to wait on. ``env``: the ranks' environment (default:
+    this process's, at the call); ``secret``: their ``PYCOMM_SECRET``; ``netns[rank]``: the
+    network namespace rank ``rank`` enters first thing, in a session of its own
+    (``pycomm-bench --hosts``)."""
+    env = dict(os.environ if env is None else env)
+    if _load_time_env(env) != _load_time_env(os.environ):
+        raise ValueError("start_ranks: the ranks' environment must have this process's load-time variables "
+                         f"({', '.join(p + '*' for p in _LOAD_TIME_PREFIXES)}): they act when a process starts")
+    ctx = _rank_context(env)
+    forked = ctx.get_start_method() == "forkserver"
+    procs = []
+    try:
+        for rank in range(nprocs):
+            proc = ctx.Process(
+                target=_spawn_entry,
+                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors), secret,
+                      env, _ParentStreams() if forked else None, netns[rank] if netns else None),
+                name=f"pycomm-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    return procs
 
 
 def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, payload: Any, *,
@@ -166,8 +208,6 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
         rank, world_size = env
         return worker(rank, world_size, "env://", payload)
 
-    ctx = _rank_context()
-    forked = ctx.get_start_method() == "forkserver"
     with tempfile.TemporaryDirectory(prefix="pycomm-launch-") as tmpdir:
         # mkdtemp makes the directory 0700: only this user reads the store (and the result).
         init_method = "file://" + os.path.join(tmpdir, "store")
@@ -175,17 +215,7 @@ def launch_workers(worker: Callable[[int, int, str, Any], Any], nprocs: int, pay
         # A secret of our own unless the user chose one (both set would be an error).
         own_secret = ("PYCOMM_SECRET" not in os.environ and "PYCOMM_SECRET_FILE" not in os.environ)
         secret = secrets.token_hex(32) if own_secret else None
-        procs = []
-        for rank in range(nprocs):
-            proc = ctx.Process(
-                target=_spawn_entry,
-                args=(rank, nprocs, init_method, worker, payload, result_path, tuple(expected_errors), secret,
-                      dict(os.environ) if forked else None, _ParentStreams() if forked else None),
-                name=f"pycomm-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            procs.append(proc)
+        procs = start_ranks(worker, nprocs, payload, init_method, result_path, expected_errors, secret=secret)
         try:
             pending = {proc.sentinel: rank for rank, proc in enumerate(procs)}
             while pending:

@@ -36,7 +36,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 __all__ = ["NetnsHosts", "netns_unavailable_reason", "enter_netns", "cleanup_leftovers", "run_bounded", "kill_tree",
@@ -51,16 +50,6 @@ CLONE_NEWNET = 0x40000000
 TBF_BURST_BYTES = 256 * 1024
 TBF_BURST = f"{TBF_BURST_BYTES // 1024}kb"
 _counter = itertools.count()
-# enter_cmd's trampoline: argv = [netns name, program path, its arguments...]
-_TRAMPOLINE = (
-    "import ctypes, os, sys\n"
-    "fd = os.open('/var/run/netns/' + sys.argv[1], os.O_RDONLY | os.O_CLOEXEC)\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    f"if libc.setns(fd, {CLONE_NEWNET:#x}) != 0:\n"
-    "    sys.exit(f'setns({sys.argv[1]}): {os.strerror(ctypes.get_errno())}')\n"
-    "os.close(fd)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
 
 
 def _ip(*args, check=True, timeout=20):
@@ -225,14 +214,6 @@ class NetnsHosts:
     def cmd(self, host: int, argv: list) -> list:
         """argv prefixed to run inside host ``host``."""
         return ["ip", "netns", "exec", self.names[host], *argv]
-
-    def enter_cmd(self, host: int, argv: list) -> list:
-        """argv prefixed to run in host ``host``'s network namespace and nothing else:
-        a small Python trampoline calls setns(2) and execs argv. Unlike ``ip netns exec``
-        (which gives each process a mount namespace of its own), processes started this
-        way share the mount namespace, so pycomm counts the ranks of one host as one host
-        and connects them through shared memory. argv[0] must be a path."""
-        return [sys.executable, "-c", _TRAMPOLINE, self.names[host], *argv]
 
     def run(self, host: int, argv: list, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(self.cmd(host, argv), capture_output=True, text=True, timeout=timeout, **kw)

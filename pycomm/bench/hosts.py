@@ -3,9 +3,10 @@
 Run as root, the benchmark makes ``N`` hosts on this machine itself
 (:class:`pycomm.netns.NetnsHosts`: a namespace each, a veth into a private bridge,
 optionally ``tc tbf`` at ``--rate`` on each host's egress), starts ``--ranks-per-host``
-ranks inside each (:meth:`~pycomm.netns.NetnsHosts.enter_cmd`: setns(2), then exec, so the
-whole process lives there from its first instruction; ranks of one host share the mount
-namespace and so count as one host for shared memory), runs the usual sweep (:func:`pycomm.bench.harness.bench_worker`: every
+ranks inside each (:func:`pycomm.launch.start_ranks`: forks of the launcher's fork server,
+each entering its host's namespace with setns(2) first thing; unlike ``ip netns exec``, which
+gives a process a mount namespace of its own, the ranks of one host share the mount namespace
+and so count as one host for shared memory), runs the usual sweep (:func:`pycomm.bench.harness.bench_worker`: every
 pycomm algorithm and gloo on the same buffers, and, with one rank per host, the raw-TCP
 reference of :mod:`pycomm.bench.link` between the same addresses) and removes everything again:
 on success, on error, on SIGINT and on SIGTERM (a SIGKILL leaves namespaces that the
@@ -34,19 +35,15 @@ import pickle
 import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 from .config import HOSTS_MPI_REASON, PREFIX, BenchConfig, BenchResult, size_sweep, valid_rate
 
 __all__ = ["HOSTS_MPI_REASON", "hosts_unavailable_reason", "run_on_hosts", "valid_rate"]
 
 
-# The module each rank runs (its main() below).
-_RANK_MODULE = "pycomm.bench.hosts"
 # How often the parent looks at its ranks.
 _POLL_S = 0.2
 
@@ -83,16 +80,12 @@ def _sigterm_raises():
 
 
 def _rank_env(ifname: str) -> dict:
-    """The ranks' environment: ours, the namespace interface for gloo and pycomm, this
-    pycomm on the path, never a torchrun rendezvous, and a fresh job secret unless the
-    user chose one (both set would be an error); each call draws another."""
-    import pycomm
-
+    """The ranks' environment: ours, the namespace interface for gloo and pycomm, never a
+    torchrun rendezvous, and a fresh job secret unless the user chose one (both set would
+    be an error); each call draws another."""
     env = dict(os.environ)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env["GLOO_SOCKET_IFNAME"] = ifname
     env["PYCOMM_SOCKET_IFNAME"] = ifname
     if "PYCOMM_SECRET" not in env and "PYCOMM_SECRET_FILE" not in env:
@@ -105,7 +98,8 @@ def run_on_hosts(cfg: BenchConfig, worker: Callable) -> BenchResult:
     module-level function, :func:`pycomm.launch.launch_workers`' kind: the sweep's
     ``harness.bench_worker``) in each, return rank 0's result; the namespaces and the ranks are gone when this returns or
     raises. Rank 0 prints the table to this process's stdout as it goes."""
-    from ..netns import NetnsHosts, kill_tree
+    from ..launch import start_ranks
+    from ..netns import NetnsHosts
 
     reason = hosts_unavailable_reason(cfg.rate)
     if reason:
@@ -114,42 +108,31 @@ def run_on_hosts(cfg: BenchConfig, worker: Callable) -> BenchResult:
     sizes = len(size_sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor))
     limit = cfg.timeout_s * (sizes + 2)  # each collective is bounded by timeout_s already
     hosts = NetnsHosts(cfg.hosts, rate=cfg.rate)
-    procs: List[subprocess.Popen] = []
+    procs = []
     with _sigterm_raises(), tempfile.TemporaryDirectory(prefix="pycomm-bench-hosts-") as tmpdir:
         try:
             hosts.create()
-            payload = os.path.join(tmpdir, "cfg.pkl")
-            with open(payload, "wb") as handle:
-                pickle.dump((worker, cfg), handle)  # the worker by its module and name
             result_path = os.path.join(tmpdir, "result.pkl")
             init_method = f"tcp://{hosts.addrs[0]}:29500"  # a fresh namespace: every port is free
-            env = _rank_env(hosts.ifname)
-            for rank in range(world):
-                host = rank // cfg.ranks_per_host
-                argv = [sys.executable, "-m", _RANK_MODULE, str(rank), str(world), init_method, payload,
-                        result_path]
-                # A session of its own: a terminal's Ctrl-C reaches us, and we stop the ranks.
-                # enter_cmd, not ip netns exec: the ranks of a host must share the mount
-                # namespace, or pycomm takes each for a host of its own (no shared memory).
-                procs.append(subprocess.Popen(hosts.enter_cmd(host, argv), env=env, start_new_session=True))
+            netns = [hosts.names[rank // cfg.ranks_per_host] for rank in range(world)]
+            procs = start_ranks(worker, world, cfg, init_method, result_path, (PREFIX,), env=_rank_env(hosts.ifname),
+                                netns=netns)
             _wait(procs, cfg, limit)
             if not os.path.exists(result_path):
                 raise RuntimeError(f"{PREFIX} --hosts: rank 0 finished without a result")
             with open(result_path, "rb") as handle:
                 return pickle.load(handle)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    kill_tree(proc, grace=2.0)
+            _stop(procs)
             hosts.close()
 
 
-def _wait(procs: List[subprocess.Popen], cfg: BenchConfig, limit: float) -> None:
+def _wait(procs: list, cfg: BenchConfig, limit: float) -> None:
     deadline = time.monotonic() + limit
     pending = dict(enumerate(procs))
     while pending:
         for rank, proc in list(pending.items()):
-            code = proc.poll()
+            code = proc.exitcode
             if code is None:
                 continue
             del pending[rank]
@@ -161,17 +144,14 @@ def _wait(procs: List[subprocess.Popen], cfg: BenchConfig, limit: float) -> None
         time.sleep(_POLL_S)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """One rank, started by :func:`run_on_hosts` inside its namespace:
-    ``python -m pycomm.bench.hosts RANK WORLD INIT_METHOD CFG.pkl RESULT.pkl``."""
-    rank_text, world_text, init_method, payload, result_path = (argv if argv is not None else sys.argv[1:])
-    rank, world = int(rank_text), int(world_text)
-    from ..launch import run_rank
-
-    with open(payload, "rb") as handle:
-        worker, cfg = pickle.load(handle)  # written by run_on_hosts, our parent, in its private folder
-    return run_rank(rank, world, init_method, worker, cfg, result_path, (PREFIX,))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def _stop(procs: list) -> None:
+    """SIGTERM to the ranks still running, SIGKILL to those still there 2 s later."""
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.terminate()
+    deadline = time.monotonic() + 2.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()

@@ -76,3 +76,56 @@ def test_without_a_fork_server_ranks_are_spawned(local, monkeypatch):
     monkeypatch.setattr(launch.multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
     result = launch_workers(report_worker, 1, None)
     assert result["ppid"] == os.getpid() and result["torch_loaded"], result
+
+
+def netns_worker(rank, world_size, init_method, payload):
+    """Where a rank runs: its network namespace, session, interfaces and parent."""
+    return {"netns": os.readlink("/proc/self/ns/net"), "sid": os.getsid(0), "pid": os.getpid(),
+            "ppid": os.getppid(), "ifnames": sorted(name for _, name in __import__("socket").if_nameindex()),
+            "secret": os.environ.get("PYCOMM_SECRET"), "var": os.environ.get("PYCOMM_TEST_LAUNCH_VAR")}
+
+
+def netns_report_worker(rank, world_size, init_method, payload):
+    import pickle
+
+    with open(os.path.join(payload, f"rank{rank}.pkl"), "wb") as handle:
+        pickle.dump(netns_worker(rank, world_size, init_method, payload), handle)
+
+
+@pytest.mark.skipif(__import__("pycomm.netns").netns.netns_unavailable_reason() is not None,
+                    reason="needs network namespaces (root, iproute2)")
+def test_ranks_start_in_their_network_namespaces(local, tmp_path, monkeypatch):
+    """pycomm-bench --hosts's ranks: each enters its host's namespace first thing, in a
+    session of its own (a terminal's Ctrl-C reaches only the launching process), with the
+    environment given, forked from the same server as local ranks."""
+    import pickle
+
+    from pycomm.launch import start_ranks
+    from pycomm.netns import IFNAME, NetnsHosts
+
+    monkeypatch.setenv("PYCOMM_TEST_LAUNCH_VAR", "the caller's")
+    local_rank = launch_workers(report_worker, 1, None)
+    with NetnsHosts(2) as hosts:
+        netns = [hosts.names[0], hosts.names[0], hosts.names[1]]
+        procs = start_ranks(netns_report_worker, 3, str(tmp_path), "file:///nonexistent", str(tmp_path / "r.pkl"),
+                            env=dict(os.environ, PYCOMM_SECRET="s3"), netns=netns)
+        for proc in procs:
+            proc.join(timeout=60)
+        assert [proc.exitcode for proc in procs] == [0, 0, 0]
+        seen = [pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes()) for rank in range(3)]
+    mine = os.readlink("/proc/self/ns/net")
+    assert seen[0]["netns"] == seen[1]["netns"] != seen[2]["netns"], seen
+    assert mine not in {s["netns"] for s in seen}, seen
+    assert all(IFNAME in s["ifnames"] for s in seen), seen
+    assert all(s["sid"] == s["pid"] for s in seen), "a rank shares the caller's session"
+    assert all(s["secret"] == "s3" and s["var"] == "the caller's" for s in seen), seen
+    if "forkserver" in __import__("multiprocessing").get_all_start_methods():
+        assert {s["ppid"] for s in seen} == {local_rank["ppid"]} != {os.getpid()}, "not forked from the server"
+
+
+def test_ranks_environment_must_keep_the_load_time_variables(local):
+    from pycomm.launch import start_ranks
+
+    env = dict(os.environ, LD_PRELOAD="/nonexistent.so")
+    with pytest.raises(ValueError, match="load-time variables"):
+        start_ranks(report_worker, 1, None, "file:///nonexistent", "/nonexistent/r.pkl", env=env)
