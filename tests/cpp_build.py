@@ -4,7 +4,7 @@ content into a cache (in parallel), then linked into a test binary or into the
 loopback harness module (tests/loopback.py).
 
 PYCOMM_TEST_SANITIZE=address,undefined (any -fsanitize= list) builds all of it
-with those sanitizers (-O1 -g1, UBSan without recovery), cached apart from the
+with those sanitizers (-O0 -g1, as setup.py builds them; UBSan without recovery), cached apart from the
 normal build; a sanitized loopback module needs the sanitizer runtime preloaded
 into python (`make test-asan` sets it up)."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _sanitize_flags() -> tuple:
     for name in knob.split(","):
         if not name or not all(c.isalnum() or c in "-_" for c in name):
             raise ValueError(f"PYCOMM_TEST_SANITIZE must be a comma-separated list of sanitizers (got {knob!r})")
-    return (f"-fsanitize={knob}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1", "-O1")
+    return (f"-fsanitize={knob}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1", "-O0")
 
 
 # The flags are part of every cache key, so a sanitized build never meets a normal one.
@@ -186,7 +186,7 @@ def extension_objects_dir():
 def extension_object(source: str):
     """setup.py's object for ``source``, when there is one newer than the source and every
     header it includes; else None (the tests compile their own). Its flags differ from
-    FLAGS only where the tests do not care: -O3 (-O1 sanitized) and python's -DNDEBUG
+    FLAGS only where the tests do not care: -O3 (-O0 sanitized) and python's -DNDEBUG
     -fwrapv (csrc's torch-free layers have no assert()); sanitized, it recovers from a
     UBSan report unless UBSAN_OPTIONS=halt_on_error=1, which `make test-asan` sets."""
     folder = extension_objects_dir()
