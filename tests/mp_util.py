@@ -542,7 +542,7 @@ def spawn_run(
                  for rank in range(world_size)]
     start = time.monotonic()
     ranks = case = None
-    if POOL and method == "forkserver" and not any(netns or ()):
+    if POOL and method == "forkserver" and not any(netns or ()) and pre_init is None:
         try:
             case = pickle.dumps((fn, args))
         except Exception:  # noqa: BLE001  (what only multiprocessing's pickler takes: fresh ranks)

@@ -184,3 +184,18 @@ def test_a_function_that_does_not_pickle_fails_in_the_test(own_key):
     """(on fresh ranks, as without the pool: multiprocessing's pickler refuses it too)"""
     with pytest.raises((AttributeError, TypeError, __import__("pickle").PicklingError)):
         _run(lambda ctx: 1)
+
+
+def _mark_pre_init(rank):
+    os.environ["PYCOMM_TEST_POOL_PRE_INIT"] = f"ran on rank {rank}"
+
+
+def _pre_init_seen(ctx):
+    return os.environ.get("PYCOMM_TEST_POOL_PRE_INIT")
+
+
+def test_a_run_with_a_pre_init_on_forked_ranks_runs_it(own_key):
+    """A pre_init on the fork server's ranks (asked for explicitly: by default it spawns)
+    runs on fresh forks; the pool's ranks have no place for it."""
+    res = _run(_pre_init_seen, pre_init=_mark_pre_init, start_method="forkserver").check()
+    assert [res.returns[r] for r in range(2)] == ["ran on rank 0", "ran on rank 1"], res.returns
