@@ -200,8 +200,10 @@ def test_no_rank_enters_the_function_before_every_rank_finished_its_set_up():
     """A rank that left the function at once (returned and tore down, or exited) while a
     peer was still in gloo's handshake made that peer's set-up fail ("Connection closed by
     peer"): the ranks pass a barrier together before the function."""
-    from mp_util import spawn_run
+    from mp_util import START_METHOD, spawn_run
 
-    res = spawn_run(_entered_at, 2, pre_init=_rank1_slow_after_its_set_up, timeout_s=90).check()
+    # (forks of the fork server where the suite uses it: pre_init alone would spawn)
+    res = spawn_run(_entered_at, 2, pre_init=_rank1_slow_after_its_set_up, start_method=START_METHOD,
+                    timeout_s=90).check()
     assert res.returns[0] >= res.returns[1] - 0.5, (
         f"rank 0 entered the function {res.returns[1] - res.returns[0]:.2f} s before rank 1 finished its set-up")
