@@ -12,7 +12,6 @@ PYCOMM_CHAOS_TRIALS sets the number of injected faults (default 2: one SIGKILL,
 one SIGSTOP; the suite's time is bounded); run with -s to see the per-trial report."""
 import datetime
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -20,6 +19,7 @@ import time
 
 import pytest
 
+from mp_util import in_environment, process_context
 from netns_util import IFNAME, NetnsHosts, enter_netns, netns_unavailable_reason
 
 pytestmark = pytest.mark.slow
@@ -146,9 +146,13 @@ def _trial(hosts, workdir, trial):
     at_step = rng.randrange(10, OPS - 100)
     delay = rng.uniform(0, 0.01)
     os.makedirs(workdir)
-    ctx = multiprocessing.get_context("spawn")
+    # forks of the harness's fork server (spawn under PYCOMM_TEST_START_METHOD=spawn), each with
+    # the environment of the call; a rank enters its namespace first thing
+    ctx = process_context()
     progress = [ctx.Value("i", -1, lock=False) for _ in range(WORLD)]
-    procs = [ctx.Process(target=_chaos_worker, args=(r, hosts.names[r], workdir, 7 * trial + 1, progress[r]),
+    procs = [ctx.Process(target=in_environment,
+                         args=(dict(os.environ), _chaos_worker, r, hosts.names[r], workdir, 7 * trial + 1,
+                               progress[r]),
                          daemon=True)
              for r in range(WORLD)]
     for p in procs:
